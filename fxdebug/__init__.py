@@ -1,0 +1,78 @@
+"""fxdebug: graph-level debugging for PyTorch models.
+
+Trace a model into a torch.fx graph, run composable passes that observe (shapes, NaN/Inf,
+statistics, devices) or transform it, read a per-node report, and draw the annotated graph::
+
+    import fxdebug
+    from fxdebug.passes import NaNCheck, StatCollector
+
+    dbg = fxdebug.instrument(model, passes=[NaNCheck(), StatCollector()], example_inputs=(x,))
+    y = dbg(x)
+    print(dbg.report())
+    dbg.render("model.svg")
+"""
+
+from .context import PassContext, TensorSpec
+from .errors import (
+    DeviceMismatchError,
+    FxDebugError,
+    NonFiniteError,
+    PassError,
+    ShapeMismatchError,
+    TraceError,
+    UsageError,
+)
+from .instrumented import Instrumented, instrument, trace
+from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
+from .observe import ObservationContext, Observer, Probe, Reductions
+from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, register_kind
+from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
+from .report import Report
+from .select import Where, matches
+from .tracing import LeafInfo, TraceInfo
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DeviceMismatchError",
+    "FxDebugError",
+    "Instrumented",
+    "LeafInfo",
+    "NonFiniteError",
+    "ObservationContext",
+    "Observer",
+    "Pass",
+    "PassContext",
+    "PassError",
+    "PassManager",
+    "PassResult",
+    "Probe",
+    "Reductions",
+    "Report",
+    "ShapeMismatchError",
+    "TensorSpec",
+    "TraceError",
+    "TraceInfo",
+    "UsageError",
+    "Where",
+    "describe",
+    "fx_meta",
+    "get_module",
+    "graph_pass",
+    "instrument",
+    "is_batchnorm",
+    "is_conv",
+    "is_inplace",
+    "is_instrumentation",
+    "is_kind",
+    "is_linear",
+    "is_relu",
+    "matches",
+    "module_path",
+    "module_type",
+    "node_pass",
+    "op_label",
+    "register_kind",
+    "source_line",
+    "trace",
+]

@@ -1,0 +1,88 @@
+"""Every error fxdebug raises, in one place.
+
+The hierarchy::
+
+    FxDebugError (Exception)
+    ├── TraceError          (FxDebugError, RuntimeError)   a model could not be captured
+    ├── PassError           (FxDebugError, RuntimeError)   a pass failed or left a broken graph
+    ├── ShapeMismatchError  (FxDebugError, ValueError)     a tensor's shape is not what the graph expects
+    ├── NonFiniteError      (FxDebugError, FloatingPointError)   NaN/Inf appeared (raise mode)
+    ├── DeviceMismatchError (FxDebugError, RuntimeError)   an op's inputs sit on different devices
+    └── UsageError          (FxDebugError, TypeError)      fxdebug was called with the wrong kind of thing
+
+Each subclass also inherits the builtin a user would already catch, so ``except ValueError``
+keeps working around code that now runs under fxdebug. Context is carried as keyword-only
+attributes (``node``, ``module``, ``op``, ``pass_name``) so tools can read it without parsing
+the message; the message itself is a plain sentence: what was attempted, what was found, and
+what to do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceMismatchError",
+    "FxDebugError",
+    "NonFiniteError",
+    "PassError",
+    "ShapeMismatchError",
+    "TraceError",
+    "UsageError",
+]
+
+
+class FxDebugError(Exception):
+    """Root of every fxdebug error.
+
+    Attributes:
+        node: name of the graph node involved, or ``None``.
+        module: dotted path of the module that owns that node (``""`` is the root), or ``None``.
+        op: a short description of the operation (``"Conv2d"``, ``"torch.log"``), or ``None``.
+        pass_name: the pass that was running, or ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        node: str | None = None,
+        module: str | None = None,
+        op: str | None = None,
+        pass_name: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.node = node
+        self.module = module
+        self.op = op
+        self.pass_name = pass_name
+
+    def __reduce__(self):  # keep keyword context through pickling (multiprocessing, torch.save)
+        return (_rebuild, (type(self), self.message, self.node, self.module, self.op, self.pass_name))
+
+
+def _rebuild(cls, message, node, module, op, pass_name):
+    return cls(message, node=node, module=module, op=op, pass_name=pass_name)
+
+
+class TraceError(FxDebugError, RuntimeError):
+    """The model (or its root forward) could not be captured as a graph."""
+
+
+class PassError(FxDebugError, RuntimeError):
+    """A pass raised, was not a pass, or left the graph invalid."""
+
+
+class ShapeMismatchError(FxDebugError, ValueError):
+    """A node produced, or was fed, a tensor whose shape differs from what the graph expects."""
+
+
+class NonFiniteError(FxDebugError, FloatingPointError):
+    """A node turned finite inputs into NaN or Inf (``NaNCheck(mode="raise")``)."""
+
+
+class DeviceMismatchError(FxDebugError, RuntimeError):
+    """An op's tensor inputs (parameters included) sit on different devices."""
+
+
+class UsageError(FxDebugError, TypeError):
+    """fxdebug itself was called wrongly: not a module, a bad option value, a wrong type."""

@@ -1,0 +1,206 @@
+"""Symbolic tracing that never gives up on the whole model because of one submodule.
+
+``torch.fx.symbolic_trace`` fails on the entire model when any submodule has data-dependent
+control flow or other untraceable Python. Here a failing trace is retried with the *innermost*
+module that was executing at the moment of failure turned into a leaf (called as a black box),
+until the trace succeeds or the failure sits in the root's own ``forward``. Each auto-leaf is
+recorded with the tracer's message and the user's source line, so reports can say which parts of
+the model fxdebug could not see into, and why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.fx import Graph, Tracer
+
+from .errors import TraceError
+from .meta import fx_meta
+
+__all__ = ["LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FXDEBUG_DIR = os.path.dirname(__file__)
+
+
+@dataclass(frozen=True)
+class LeafInfo:
+    """Why a module was traced as an opaque leaf."""
+
+    path: str
+    module_type: str
+    reason: str
+    location: str | None  # "model.py:41 `if x.sum() > 0:`"
+
+    def __str__(self) -> str:
+        where = f" at {self.location}" if self.location else ""
+        return f"{self.path} ({self.module_type}): {self.reason}{where}"
+
+
+@dataclass
+class TraceInfo:
+    """How a model was captured: which frontend, what became a leaf, how long it took."""
+
+    frontend: str = "symbolic"
+    auto_leaves: dict[str, LeafInfo] = field(default_factory=dict)
+    user_leaves: tuple[str, ...] = ()
+    concrete_args: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Accept a tensor, a tuple/list of positional inputs, or a dict of keyword inputs."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+class _FailureLocatingTracer(Tracer):
+    """A tracer that remembers which module was innermost when tracing failed."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.record_stack_traces = True
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self._leaves or super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as exc:
+            if not hasattr(exc, "_fxdebug_module"):
+                exc._fxdebug_module = self.path_of_module(m)  # type: ignore[attr-defined]
+            raise
+
+
+def _user_location(exc: BaseException) -> str | None:
+    """The innermost frame of the user's own code in ``exc``'s traceback."""
+    best = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith((_TORCH_DIR, _FXDEBUG_DIR)) or "<" in frame.filename:
+            continue
+        best = frame
+    if best is None:
+        return None
+    code = (best.line or "").strip()
+    name = os.path.basename(best.filename)
+    return f"{name}:{best.lineno} `{code}`" if code else f"{name}:{best.lineno}"
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"{type(exc).__name__}: {text}"
+
+
+def _defaults_not_given(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None) -> dict[str, Any]:
+    """Forward parameters that the example inputs leave at their defaults (``mask=None``)."""
+    if inputs is None:
+        return {}
+    args, kwargs = inputs
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {}
+    fixed = {}
+    for i, p in enumerate(params):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if i >= len(args) and p.name not in kwargs and p.default is not p.empty:
+            fixed[p.name] = p.default
+    return fixed
+
+
+def capture_symbolic(
+    model: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    *,
+    leaf_modules: Iterable[str | type[nn.Module]] = (),
+    auto_leaf: bool = True,
+) -> tuple[Graph, TraceInfo]:
+    """Trace ``model`` into a graph, turning untraceable submodules into leaves if allowed."""
+    start = time.perf_counter()
+    by_type = tuple(x for x in leaf_modules if isinstance(x, type))
+    leaves = {x for x in leaf_modules if isinstance(x, str)}
+    leaves |= {name for name, m in model.named_modules() if by_type and isinstance(m, by_type) and name}
+    info = TraceInfo(user_leaves=tuple(sorted(leaves)))
+    concrete: dict[str, Any] = {}
+    max_attempts = sum(1 for _ in model.named_modules()) + 2
+    for _ in range(max_attempts):
+        tracer = _FailureLocatingTracer(leaves)
+        try:
+            graph = tracer.trace(model, concrete_args=concrete or None)
+            break
+        except Exception as exc:
+            failed = getattr(exc, "_fxdebug_module", "")
+            if failed and auto_leaf and failed not in leaves:
+                leaves.add(failed)
+                info.auto_leaves[failed] = LeafInfo(
+                    failed, type(model.get_submodule(failed)).__name__, _reason(exc), _user_location(exc)
+                )
+                continue
+            fixed = _defaults_not_given(model, inputs)
+            if not failed and fixed and not concrete:
+                concrete = fixed  # the root branches on an optional argument: pin it to its default
+                info.notes.append(f"pinned forward arguments to their defaults: {sorted(fixed)}")
+                continue
+            raise _trace_error(model, failed, exc, auto_leaf) from exc
+    else:  # pragma: no cover - every attempt adds a leaf, so the loop ends before this
+        raise TraceError(f"tracing {type(model).__name__} did not converge after {max_attempts} attempts.")
+    info.concrete_args = concrete
+    _annotate(graph, model, info)
+    info.seconds = time.perf_counter() - start
+    return graph, info
+
+
+def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool) -> TraceError:
+    where = _user_location(exc)
+    at = f" at {where}" if where else ""
+    if failed:
+        typ = type(model.get_submodule(failed)).__name__
+        return TraceError(
+            f"cannot trace module '{failed}' ({typ}){at}: {_reason(exc)}. "
+            f"{'Auto-leafing is off; ' if not auto_leaf else ''}pass leaf_modules=['{failed}'] to call it "
+            "as a black box, or frontend='export' to capture it at the aten level.",
+            module=failed,
+            op=typ,
+        )
+    return TraceError(
+        f"cannot trace the root forward of {type(model).__name__}{at}: {_reason(exc)}. "
+        "The root cannot become a leaf; fix the Python in forward (avoid branching on tensor values), "
+        "pin arguments with concrete_args / example_inputs, list offending submodules in leaf_modules=, "
+        "or use frontend='export'.",
+        module="",
+        op=type(model).__name__,
+    )
+
+
+def _annotate(graph: Graph, model: nn.Module, info: TraceInfo) -> None:
+    """Record on every node the module that owns it (functional calls and methods included)."""
+    modules = dict(model.named_modules())
+    for node in graph.nodes:
+        meta = fx_meta(node)
+        if node.op == "call_module":
+            path = str(node.target)
+        else:
+            stack = node.meta.get("nn_module_stack") or {}
+            path = list(stack.values())[-1][0] if stack else ""
+        meta["module"] = path
+        mod = modules.get(path)
+        if mod is not None:
+            meta["module_type"] = type(mod).__name__
+        if node.op == "call_module" and path in info.auto_leaves:
+            meta["auto_leaf"] = str(info.auto_leaves[path])
