@@ -53,8 +53,12 @@ def spec_of(value: Any) -> Any:
     """A ``TensorSpec`` for a tensor; tuples/lists/dicts of specs for containers; else the type name."""
     if isinstance(value, Tensor):
         return TensorSpec.of(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(spec_of(v) for v in value) if not hasattr(value, "_fields") else tuple(spec_of(v) for v in value)
+    if isinstance(value, torch.Size):
+        return tuple(value)
+    if isinstance(value, list):
+        return [spec_of(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(spec_of(v) for v in value)
     if isinstance(value, dict):
         return {k: spec_of(v) for k, v in value.items()}
     return type(value).__name__
@@ -105,6 +109,7 @@ class _SpecRecorder(Interpreter):
 
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=True)
+        self.extra_traceback = False  # our own error names the node; torch's addendum is noise
         self.specs: dict[str, Any] = {}
 
     def run_node(self, n: Node) -> Any:

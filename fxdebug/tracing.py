@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -106,6 +107,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
+def _optional_none_args(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None) -> dict[str, Any]:
+    """Forward parameters defaulting to ``None`` that the example inputs do not supply.
+
+    A symbolic proxy for ``mask=None`` is never ``None``, so ``if mask is not None:`` would bake
+    the masked branch into the graph and break calls without a mask. Pinning such arguments to
+    ``None`` keeps the graph exact; FX then asserts at call time that they stay ``None``.
+    """
+    fixed = _defaults_not_given(model, inputs or ((), {}))
+    return {k: v for k, v in fixed.items() if v is None}
+
+
 def _defaults_not_given(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]] | None) -> dict[str, Any]:
     """Forward parameters that the example inputs leave at their defaults (``mask=None``)."""
     if inputs is None:
@@ -137,7 +149,9 @@ def capture_symbolic(
     leaves = {x for x in leaf_modules if isinstance(x, str)}
     leaves |= {name for name, m in model.named_modules() if by_type and isinstance(m, by_type) and name}
     info = TraceInfo(user_leaves=tuple(sorted(leaves)))
-    concrete: dict[str, Any] = {}
+    concrete: dict[str, Any] = _optional_none_args(model, inputs)
+    if concrete:
+        info.notes.append(f"arguments left at None are pinned to None in the graph: {sorted(concrete)}")
     max_attempts = sum(1 for _ in model.named_modules()) + 2
     for _ in range(max_attempts):
         tracer = _FailureLocatingTracer(leaves)
@@ -153,8 +167,8 @@ def capture_symbolic(
                 )
                 continue
             fixed = _defaults_not_given(model, inputs)
-            if not failed and fixed and not concrete:
-                concrete = fixed  # the root branches on an optional argument: pin it to its default
+            if not failed and fixed and any(k not in concrete for k in fixed):
+                concrete = {**concrete, **fixed}  # the root branches on an optional argument: pin it to its default
                 info.notes.append(f"pinned forward arguments to their defaults: {sorted(fixed)}")
                 continue
             raise _trace_error(model, failed, exc, auto_leaf) from exc
@@ -188,8 +202,21 @@ def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool)
     )
 
 
+def _restore_argument_names(graph: Graph, model: nn.Module) -> None:
+    """FX renames a pinned argument's placeholder (``mask`` → ``mask_1``); callers use ``mask=``."""
+    try:
+        names = [p.name for p in inspect.signature(model.forward).parameters.values()]
+    except (TypeError, ValueError):
+        return
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph, name in zip(placeholders, names):
+        if ph.target != name and re.fullmatch(rf"{re.escape(name)}_\d+", str(ph.target)):
+            ph.target = name
+
+
 def _annotate(graph: Graph, model: nn.Module, info: TraceInfo) -> None:
     """Record on every node the module that owns it (functional calls and methods included)."""
+    _restore_argument_names(graph, model)
     modules = dict(model.named_modules())
     for node in graph.nodes:
         meta = fx_meta(node)
