@@ -107,11 +107,12 @@ class InplaceOps(nn.Module):
 
     def forward(self, x):
         h = self.fc1(x)
-        h.relu_()
         h += x
-        h = torch.relu_(self.fc2(h))
-        h.mul_(0.5)
-        return F.relu(h, inplace=True)
+        h.relu_()
+        g = self.fc2(h)
+        g.mul_(0.5)
+        g = torch.relu_(g)
+        return F.relu(g - 0.1, inplace=True)
 
 
 class SharedModule(nn.Module):
