@@ -153,6 +153,7 @@ class PassContext:
         self.prior_report = prior_report
         self.instruments = list(instruments)
         self.current_pass: str | None = None
+        self.where: Where = None  # the running pass's where= option (set by the manager)
         self._specs: dict[str, Any] | None = None
         self._spec_graph: int | None = None
 
@@ -195,14 +196,19 @@ class PassContext:
     def nodes(
         self,
         gm: GraphModule,
-        where: Where = None,
+        where: Where | str = "<current pass>",
         *,
         ops: tuple[str, ...] = ("call_module", "call_function", "call_method"),
         float_outputs: bool = False,
         tensor_outputs: bool = False,
         predicate: Callable[[Node], bool] | None = None,
     ) -> list[Node]:
-        """The graph's own (non-instrumentation) nodes selected by ``where`` and the filters."""
+        """The graph's own (non-instrumentation) nodes selected by ``where`` and the filters.
+
+        ``where`` defaults to the running pass's own ``where=`` option.
+        """
+        if isinstance(where, str) and where == "<current pass>":
+            where = self.where
         picked = []
         for node in list(gm.graph.nodes):
             if node.op not in ops or is_instrumentation(node) or not matches(where, node):

@@ -161,7 +161,7 @@ class PassManager:
 
     def _run_one(self, p: Pass, gm: GraphModule, ctx: PassContext) -> GraphModule:
         before = {n: n.name for n in gm.graph.nodes}
-        ctx.current_pass = p.name
+        ctx.current_pass, ctx.where = p.name, getattr(p, "where", None)
         for inst in ctx.instruments:
             getattr(inst, "before_pass", lambda *_: None)(p, gm)
         start = time.perf_counter()
@@ -178,7 +178,7 @@ class PassManager:
                 pass_name=p.name,
             ) from exc
         finally:
-            ctx.current_pass = None
+            ctx.current_pass, ctx.where = None, None
         if result is None:
             result = PassResult(gm)
         if not isinstance(result, PassResult):
