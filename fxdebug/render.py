@@ -1,0 +1,244 @@
+"""``fxdebug.render``: the annotated graph as an SVG (graphviz), with its ``.dot`` source beside it.
+
+The picture reads only ``node.meta["fxdebug"]`` and the ``Report`` (see ``render_view``), so any
+pass — built-in or a user's — shows up in it. How it looks (labels, colours, the legend, collapse
+by module depth) lives in ``render_dot``; this module resolves what to draw, assembles the dot
+source with nested module clusters, and runs graphviz's ``dot``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from typing import Any
+
+from torch import nn
+from torch.fx import GraphModule
+
+from .errors import FxDebugError, UsageError
+from .render_dot import (
+    COLORS,
+    Group,
+    _legend_html,
+    _lines,
+    _shape,
+    auto_depth,
+    group_label,
+    group_nodes,
+    group_style,
+    header,
+    node_label,
+    node_style,
+    node_tooltip,
+    used_highlights,
+)
+from .render_view import GraphView, build_view
+
+__all__ = ["COLORS", "build_dot", "render"]
+
+INSTALL_HINT = (
+    "Install graphviz so that `dot` is on PATH: `apt-get install -y graphviz` (Debian/Ubuntu), "
+    "`brew install graphviz` (macOS), or `conda install -c conda-forge graphviz`"
+)
+DOT_TIMEOUT_S = 600
+_FORMATS = ("svg", "png", "pdf")
+
+
+def render(
+    model_or_gm: nn.Module,
+    path: str | os.PathLike[str],
+    example_inputs: Any = None,
+    *,
+    depth: int | None = None,
+    show_instrumentation: bool = False,
+    failed: Any = None,
+    report: Any = None,
+) -> str:
+    """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work).
+
+    Args:
+        model_or_gm: an ``Instrumented`` module (its report is drawn), any ``GraphModule``, or a
+            plain ``nn.Module`` (traced here).
+        path: where the picture goes; the dot source is written beside it as ``<stem>.dot``.
+        example_inputs: run once to learn shapes when the graph does not know them yet.
+        depth: collapse every module at this depth (``"layer1"`` is depth 1, ``"layer1.0"``
+            depth 2) into one box with its in/out shapes and an aggregate. ``None`` picks the
+            deepest level that keeps the picture to about ``AUTO_BUDGET`` boxes (no collapse when
+            the graph is that small); pass a large number to never collapse.
+        show_instrumentation: draw fxdebug's observer nodes instead of folding them into the
+            node they watch.
+        failed: an error carrying ``.node`` (e.g. a ``ShapeMismatchError`` or
+            ``DeviceMismatchError`` from a run) or a node name: that node is highlighted as
+            having failed a check, with the message in its tooltip. Passes can mark nodes
+            themselves with ``node.meta["fxdebug"]["failed"] = "<message>"``.
+        report: a ``Report`` to draw instead of the module's own (e.g. one loaded or merged).
+
+    Returns the path of the picture. Raises ``FxDebugError`` (after writing the ``.dot``) when
+    graphviz's ``dot`` is not installed, saying how to install it.
+    """
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+        raise UsageError(f"depth must be a positive int (1 = top-level modules) or None for automatic; got {depth!r}.")
+    out_path = os.fspath(path)
+    stem, ext = os.path.splitext(out_path)
+    fmt = ext.lstrip(".").lower() or "svg"
+    if fmt not in _FORMATS:
+        raise UsageError(f"render() writes {', '.join(_FORMATS)}; {out_path!r} ends in {ext!r}. Use e.g. 'model.svg'.")
+    if not ext:
+        out_path += ".svg"
+    gm, report = _resolve(model_or_gm, example_inputs, report)
+    view = build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)
+    source = build_dot(view, auto_depth(view) if depth is None else depth)
+    dot_path = stem + ".dot"
+    with open(dot_path, "w", encoding="utf-8") as f:
+        f.write(source)
+    run_dot(dot_path, out_path, fmt)
+    return out_path
+
+
+def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, Any]:
+    """The graph to draw and the report to annotate it with."""
+    from .context import PassContext
+    from .instrumented import Instrumented, trace
+
+    if isinstance(obj, GraphModule):
+        gm = obj
+    elif isinstance(obj, nn.Module):
+        gm = trace(obj, example_inputs)
+    else:
+        hint = " (it is a class: instantiate it first)" if isinstance(obj, type) else ""
+        raise UsageError(f"render() needs an nn.Module or a GraphModule; got {type(obj).__name__}{hint}.")
+    if example_inputs is not None:
+        PassContext(example_inputs).specs(gm)  # writes shape/dtype/device into node meta
+    if report is None and isinstance(gm, Instrumented) and gm.observers():
+        report = gm.report()
+    return gm, report
+
+
+def run_dot(dot_path: str, out_path: str, fmt: str = "svg") -> None:
+    """Run graphviz's ``dot`` on ``dot_path``; a clear ``FxDebugError`` if it is missing or fails."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise FxDebugError(
+            f"cannot draw {out_path!r}: graphviz's `dot` program was not found on PATH. The graph source "
+            f"was written to {dot_path!r}. {INSTALL_HINT}; then run `dot -T{fmt} {dot_path} -o {out_path}` "
+            "or render again."
+        )
+    try:
+        proc = subprocess.run([exe, f"-T{fmt}", dot_path, "-o", out_path], capture_output=True, text=True,
+                              timeout=DOT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise FxDebugError(f"graphviz took more than {DOT_TIMEOUT_S} s on {dot_path!r}; collapse modules with a "
+                           "smaller depth= to draw fewer boxes.") from None
+    if proc.returncode != 0:
+        raise FxDebugError(f"graphviz failed to draw {dot_path!r} (exit {proc.returncode}): "
+                           f"{proc.stderr.strip()[:500]}")
+
+
+def build_dot(view: GraphView, depth: int | None = None) -> str:
+    """The dot source of ``view``, collapsing modules at ``depth`` (``None``: no collapsing)."""
+    import graphviz
+
+    groups, item_of = group_nodes(view, depth)
+    by_id = {gr.id: gr for gr in groups.values()}
+    g = graphviz.Digraph(
+        "fxdebug",
+        graph_attr={"rankdir": "TB", "fontname": "Helvetica", "fontsize": "11", "labelloc": "t",
+                    "labeljust": "l", "nodesep": "0.25", "ranksep": "0.35",
+                    "label": _lines(header(view, depth)), "tooltip": view.model_type},
+        node_attr={"fontname": "Helvetica", "fontsize": "9", "margin": "0.08,0.04", "height": "0.3"},
+        edge_attr={"arrowsize": "0.6", "color": "#555555", "fontname": "Helvetica", "fontsize": "8"},
+    )
+    edges, in_shapes, out_shapes = _edges(view, item_of)
+    contents: dict[str, list[tuple[str, Any]]] = {}
+    emitted: set[str] = set()
+    for v in view.nodes.values():
+        item = item_of[v.name]
+        if item in emitted:
+            continue
+        emitted.add(item)
+        if item == v.name:
+            cluster = v.cluster
+            if depth is not None:
+                cluster = ".".join(cluster.split(".")[: depth - 1]) if cluster else ""
+            contents.setdefault(cluster, []).append(("node", v))
+        else:
+            grp = by_id[item]
+            contents.setdefault(grp.cluster, []).append(("group", grp))
+    children: dict[str, list[str]] = {}
+    for path in list(contents):
+        parts = path.split(".") if path else []
+        for i in range(len(parts)):
+            parent, child = ".".join(parts[:i]), ".".join(parts[: i + 1])
+            if child not in children.setdefault(parent, []):
+                children[parent].append(child)
+    counter = iter(range(1 << 30))
+
+    def emit(sub: Any, path: str) -> None:
+        for kind, obj in contents.get(path, []):
+            if kind == "node":
+                sub.node(obj.name, label=_lines(node_label(obj)), tooltip=_lines(node_tooltip(obj)),
+                         id=f"node/{obj.name}", **node_style(obj))
+            else:
+                sub.node(obj.id, label=_lines(group_label(obj, view, in_shapes[obj.id], out_shapes[obj.id])),
+                         tooltip=_lines(_group_tooltip(obj)), id=obj.id, **group_style(obj))
+        for child in children.get(path, []):
+            typ = view.module_types.get(child)
+            with sub.subgraph(name=f"cluster_{next(counter)}") as c:
+                c.attr(label=_lines([child + (f" : {typ}" if typ else "")]), id=f"cluster/{child}",
+                       style="rounded,dashed", color="#9a9a9a", fontsize="9", tooltip=_lines([child]))
+                emit(c, child)
+
+    emit(g, "")
+    for (a, b), tip in edges.items():
+        g.edge(a, b, tooltip=_lines([tip]))
+    keys = used_highlights(view)
+    if keys:
+        g.node("fxdebug/legend", label=_legend_html(keys), shape="plaintext", id="legend")
+    return g.source
+
+
+def _edges(view: GraphView, item_of: dict[str, str]) -> tuple[dict[tuple[str, str], str], dict[str, list[str]],
+                                                               dict[str, list[str]]]:
+    """Deduplicated edges between drawn items, and each group's input/output shapes."""
+    edges: dict[tuple[str, str], str] = {}
+    in_shapes: dict[str, list[str]] = {}
+    out_shapes: dict[str, list[str]] = {}
+    for v in view.nodes.values():
+        dst = item_of[v.name]
+        for src_name in v.inputs:
+            src = item_of.get(src_name)
+            if src is None or src == dst:
+                continue
+            shape = _shape(view.nodes[src_name].shape)
+            if dst != v.name:
+                _add(in_shapes.setdefault(dst, []), shape)
+            if src != src_name:
+                _add(out_shapes.setdefault(src, []), shape)
+            edges.setdefault((src, dst), f"{src_name} → {v.name}: {shape}")
+    for item in set(item_of.values()):
+        in_shapes.setdefault(item, [])
+        out_shapes.setdefault(item, [])
+    return edges, in_shapes, out_shapes
+
+
+def _add(items: list[str], value: str) -> None:
+    if value not in items:
+        items.append(value)
+
+
+def _group_tooltip(g: Group) -> list[str]:
+    lines = [f"module: {g.path} ({len(g.members)} ops, collapsed)"]
+    worst = g.worst_dead
+    if worst is not None:
+        lines.append(f"worst dead_frac: {worst.dead_frac!r} at {worst.name}")
+    if g.nonfinite:
+        lines.append("NaN/Inf seen in: " + ", ".join(m.name for m in g.members if m.nonfinite))
+    failed = g.failed
+    if failed is not None:
+        lines.append(f"FAILED: {failed.name}: {failed.failed}")
+    for m in g.members[:60]:
+        lines.append(f"{m.name} : {m.label} {_shape(m.shape) if m.shape is not None else ''}".rstrip())
+    if len(g.members) > 60:
+        lines.append(f"... {len(g.members) - 60} more")
+    return lines

@@ -1,0 +1,205 @@
+"""What the picture shows, independent of how it is drawn: the ``GraphView``.
+
+The view is built from two sources only — ``node.meta["fxdebug"]`` (shapes, provenance,
+auto-leaves, roles) and a ``Report`` (statistics, the NaN/Inf origin) — so whatever pass wrote
+them, built-in or a user's, shows up. Instrumentation nodes (role ``"instrumentation"`` or
+``"clock"``) are folded into the node they observe: the graph a user sees is the model's own, and
+the probes watching a node are listed on it. ``to_networkx`` and the SVG renderer share this view.
+
+Failed checks are marked from three places: the ``failed=`` argument of ``render`` (an exception
+carrying ``.node``, or a node name), ``node.meta["fxdebug"]["failed"]`` (a message a pass may set),
+and a report row key ``"failed"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.fx import GraphModule, Node
+
+from .meta import fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
+
+__all__ = ["DEAD_HOTSPOT", "GraphView", "VisNode", "build_view"]
+
+DEAD_HOTSPOT = 0.5
+"""A node whose dead-channel fraction reaches this is a dead-ReLU hot spot (greyed)."""
+
+# Row keys that describe the node rather than measure it.
+BASE_KEYS = ("node", "module", "op", "shape", "dtype", "device", "added_by", "changed_by", "auto_leaf")
+
+
+@dataclass
+class VisNode:
+    """One node as the picture and ``to_networkx`` see it."""
+
+    name: str
+    kind: str  # the FX op: placeholder, call_module, call_function, call_method, get_attr, output
+    label: str  # op_label: Conv2d, torch.log, .view
+    target: str
+    module: str
+    module_type: str | None
+    shape: tuple[int, ...] | None = None
+    dtype: str | None = None
+    device: str | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    probes: list[str] = field(default_factory=list)
+    added_by: str | None = None
+    changed_by: list[str] = field(default_factory=list)
+    auto_leaf: str | None = None
+    failed: str | None = None
+    role: str | None = None
+    source: str | None = None
+    notes: list[str] = field(default_factory=list)
+    origin: bool = False
+    grad_origin: bool = False
+
+    @property
+    def nonfinite(self) -> bool:
+        """True if the node's output (or its gradient) held NaN/Inf in some call."""
+        return bool(self.stats.get("nonfinite_calls") or self.stats.get("grad_nonfinite_calls")
+                    or self.origin or self.grad_origin)
+
+    @property
+    def dead_frac(self) -> float | None:
+        v = self.stats.get("dead_frac")
+        return float(v) if isinstance(v, (int, float)) and not math.isnan(v) else None
+
+    @property
+    def dead(self) -> bool:
+        d = self.dead_frac
+        return d is not None and d >= DEAD_HOTSPOT
+
+    @property
+    def cluster(self) -> str:
+        """The module cluster the node is drawn in: a leaf module's call sits in its parent."""
+        if self.kind == "call_module":
+            return self.module.rpartition(".")[0]
+        return self.module if self.kind not in ("placeholder", "output") else ""
+
+
+@dataclass
+class GraphView:
+    """The nodes to draw, in graph order, plus what the report says about the whole graph."""
+
+    nodes: dict[str, VisNode]
+    model_type: str
+    first_nonfinite: str | None = None
+    first_nonfinite_grad: str | None = None
+    failed_message: str | None = None
+    calls: int = 0
+    module_types: dict[str, str] = field(default_factory=dict)
+
+    def max_module_depth(self) -> int:
+        return max((len(n.module.split(".")) for n in self.nodes.values() if n.module), default=0)
+
+
+def _failed_target(failed: Any) -> tuple[str | None, str | None]:
+    """``(node name, message)`` from ``failed=``: an exception with ``.node``, or a node name."""
+    if failed is None:
+        return None, None
+    if isinstance(failed, str):
+        return failed, None
+    node = getattr(failed, "node", None)
+    message = getattr(failed, "message", None) or str(failed)
+    return (str(node) if node is not None else None), message
+
+
+def _aliases(nodes: list[Node]) -> dict[str, str]:
+    """Instrumentation node name → the model node it stands for (what it observes)."""
+    alias: dict[str, str] = {}
+    for n in nodes:
+        if not is_instrumentation(n):
+            continue
+        observed = fx_meta(n).get("observes")
+        if observed is None:
+            firsts = [a for a in n.all_input_nodes]
+            observed = firsts[0].name if firsts else None
+        if observed is not None:
+            alias[n.name] = observed
+    # Resolve chains (a check inserted after an observer that was itself rewired).
+    for k in list(alias):
+        seen = {k}
+        while alias[k] in alias and alias[k] not in seen:
+            seen.add(alias[k])
+            alias[k] = alias[alias[k]]
+    return alias
+
+
+def _container_types(gm: GraphModule, paths: set[str]) -> dict[str, str]:
+    out = {}
+    for p in sorted(paths):
+        try:
+            out[p] = type(gm.get_submodule(p)).__name__
+        except AttributeError:
+            continue
+    return out
+
+
+def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: bool = False,
+               failed: Any = None) -> GraphView:
+    """The ``GraphView`` of ``gm`` annotated with ``report`` (a ``Report`` or ``None``)."""
+    nodes = list(gm.graph.nodes)
+    rows = {r["node"]: r for r in (report.rows if report is not None else [])}
+    alias = {} if show_instrumentation else _aliases(nodes)
+    failed_node, failed_message = _failed_target(failed)
+    view_nodes: dict[str, VisNode] = {}
+    for n in nodes:
+        meta = n.meta.get("fxdebug", {})
+        if n.name in alias:
+            owner = view_nodes.get(alias[n.name])
+            if owner is not None:
+                owner.probes.extend(p for p in meta.get("probes", ()) if p not in owner.probes)
+                if meta.get("role") == "instrumentation" and not meta.get("probes"):
+                    owner.probes.append(op_label(n))
+            continue
+        row = rows.get(n.name, {})
+        shape = meta.get("shape", row.get("shape"))
+        vis = VisNode(
+            name=n.name, kind=n.op, label=op_label(n), target=str(n.target), module=module_path(n),
+            module_type=module_type(n), shape=tuple(shape) if shape is not None else None,
+            dtype=meta.get("dtype", row.get("dtype")), device=meta.get("device", row.get("device")),
+            stats={k: v for k, v in row.items() if k not in BASE_KEYS},
+            added_by=meta.get("added_by"), changed_by=list(meta.get("changed_by", [])),
+            auto_leaf=meta.get("auto_leaf"), role=meta.get("role"), source=source_line(n),
+            notes=[str(x) for x in meta.get("notes", [])],
+        )
+        if isinstance(meta.get("replaced"), str):
+            vis.notes.append(f"replaces {meta['replaced']}")
+        vis.failed = meta.get("failed") or row.get("failed")
+        if failed_node == n.name:
+            vis.failed = failed_message or vis.failed or "failed a check"
+        inputs: list[str] = []
+        for a in n.all_input_nodes:
+            src = alias.get(a.name, a.name)
+            if src != n.name and src not in inputs:
+                inputs.append(src)
+        vis.inputs = inputs
+        view_nodes[n.name] = vis
+    first = getattr(report, "first_nonfinite", None)
+    first_grad = getattr(report, "first_nonfinite_grad", None)
+    if first in view_nodes:
+        view_nodes[first].origin = True
+    if first_grad in view_nodes:
+        view_nodes[first_grad].grad_origin = True
+    paths = {p for v in view_nodes.values() for p in _prefixes(v.module)}
+    model_type = gm.meta.get("fxdebug", {}).get("model_type") if hasattr(gm, "meta") else None
+    return GraphView(
+        nodes=view_nodes,
+        model_type=model_type or type(gm).__name__,
+        first_nonfinite=first,
+        first_nonfinite_grad=first_grad,
+        failed_message=failed_message,
+        calls=getattr(report, "calls", 0) or 0,
+        module_types=_container_types(gm, paths),
+    )
+
+
+def _prefixes(path: str) -> list[str]:
+    """``"a.b.c"`` → ``["a", "a.b", "a.b.c"]``."""
+    if not path:
+        return []
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
