@@ -22,12 +22,15 @@ from .errors import (
     TraceError,
     UsageError,
 )
+from .graph_nx import to_networkx
 from .instrumented import Instrumented, instrument, trace
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import ObservationContext, Observer, Probe, Reductions
 from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, register_kind
 from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
+from .render import render
 from .report import Report
+from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from .select import Where, matches
 from .tracing import LeafInfo, TraceInfo
 
@@ -38,6 +41,7 @@ __all__ = [
     "FxDebugError",
     "Instrumented",
     "LeafInfo",
+    "Match",
     "NonFiniteError",
     "ObservationContext",
     "Observer",
@@ -48,6 +52,7 @@ __all__ = [
     "PassResult",
     "Probe",
     "Reductions",
+    "Replacement",
     "Report",
     "ShapeMismatchError",
     "TensorSpec",
@@ -56,6 +61,7 @@ __all__ = [
     "UsageError",
     "Where",
     "describe",
+    "find_pattern",
     "fx_meta",
     "get_module",
     "graph_pass",
@@ -67,12 +73,17 @@ __all__ = [
     "is_kind",
     "is_linear",
     "is_relu",
+    "keep_state",
     "matches",
     "module_path",
     "module_type",
     "node_pass",
+    "node_values",
     "op_label",
     "register_kind",
+    "render",
+    "replace_pattern",
     "source_line",
+    "to_networkx",
     "trace",
 ]

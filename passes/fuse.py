@@ -1,0 +1,156 @@
+"""``Fuse``: fold eval-mode batch-norm into the conv / conv-transpose / linear that feeds it.
+
+For ``y = bn(conv(x))`` with running statistics, ``bn`` is a per-channel affine map, so it can
+be folded into the conv's weights and bias: ``scale = gamma / sqrt(var + eps)``,
+``W' = W * scale`` (per output channel), ``b' = (b - mean) * scale + beta``. The fused layer is a
+*copy* of the conv with new weight tensors, registered under fxdebug's namespace; the user's conv
+and batch-norm keep their own parameters and stay in the model untouched.
+
+A pair is left alone, with the reason in the result's notes, when the batch-norm is in training
+mode or has no running statistics, when the conv's output has other users, or (Linear +
+BatchNorm1d) when the batch-norm does not normalise the linear's feature dimension.
+
+Each fused layer is checked against the pair it replaces on the example inputs; the maximum
+absolute difference goes to the notes and to ``node.meta["fxdebug"]["fused"]``, and a difference
+beyond the tolerance raises ``PassError`` instead of returning a wrong model.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+import fxdebug
+from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, fx_meta, node_values, replace_pattern
+
+__all__ = ["Fuse", "fold_batchnorm"]
+
+_BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+_CONV = {1: (nn.Conv1d, nn.ConvTranspose1d), 2: (nn.Conv2d, nn.ConvTranspose2d), 3: (nn.Conv3d, nn.ConvTranspose3d)}
+
+
+def _patterns() -> list[nn.Module]:
+    """One tiny model per foldable pair: conv{1,2,3}d / conv-transpose{1,2,3}d / linear + batch-norm."""
+    pats: list[nn.Module] = []
+    for dim, convs in _CONV.items():
+        for conv in convs:
+            pats.append(nn.Sequential(conv(1, 1, 1), _BN[dim](1)))
+    pats.append(nn.Sequential(nn.Linear(1, 1), nn.BatchNorm1d(1)))
+    return pats
+
+
+def fold_batchnorm(layer: nn.Module, bn: nn.modules.batchnorm._BatchNorm) -> nn.Module:
+    """A copy of ``layer`` (Conv*, ConvTranspose*, Linear) with ``bn`` folded into new weights.
+
+    The arithmetic runs in float64 and is cast back to the layer's dtype. ``layer`` and ``bn``
+    are not modified.
+    """
+    fused = copy.deepcopy(layer)
+    w = layer.weight.detach().double()
+    mean, var = bn.running_mean.double(), bn.running_var.double()
+    gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones_like(mean)
+    beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(mean)
+    scale = gamma / torch.sqrt(var + bn.eps)
+    bias = layer.bias.detach().double() if layer.bias is not None else torch.zeros_like(mean)
+    if isinstance(layer, nn.modules.conv._ConvTransposeNd):
+        g = layer.groups
+        shaped = w.reshape(g, w.shape[0] // g, w.shape[1], *w.shape[2:])
+        w = (shaped * scale.reshape(g, 1, -1, *([1] * (w.dim() - 2)))).reshape(w.shape)
+    else:
+        w = w * scale.reshape(-1, *([1] * (w.dim() - 1)))
+    b = (bias - mean) * scale + beta
+    fused.weight = nn.Parameter(w.to(layer.weight.dtype), requires_grad=layer.weight.requires_grad)
+    fused.bias = nn.Parameter(b.to(layer.weight.dtype), requires_grad=layer.weight.requires_grad)
+    return fused
+
+
+class Fuse(Pass):
+    """Fold eval-mode BatchNorm into the preceding Conv1d/2d/3d, ConvTranspose1d/2d/3d or Linear.
+
+    Args:
+        atol, rtol: the fused output may differ from the original by at most
+            ``atol + rtol * max|original|`` on the example inputs (float16/bfloat16: at least 1e-2).
+        where: limit the pass to some nodes / modules (both nodes of a pair must be selected).
+    """
+
+    name = "fuse"
+
+    def __init__(self, *, atol: float = 1e-4, rtol: float = 1e-4, where: fxdebug.Where = None) -> None:
+        super().__init__(where=where)
+        self.atol, self.rtol = atol, rtol
+
+    def fold(self, layer: nn.Module, bn: nn.Module) -> nn.Module:
+        """The fused layer for one pair; override to change how folding is done."""
+        return fold_batchnorm(layer, bn)
+
+    def _why_not(self, match: Match, ctx: PassContext) -> str | None:
+        layer, bn = match.modules()
+        if bn.training:
+            return f"{describe(match.anchor)} is in training mode (it uses batch statistics); call model.eval() first."
+        if bn.running_mean is None or bn.running_var is None:
+            return f"{describe(match.anchor)} has no running statistics (track_running_stats=False)."
+        if isinstance(layer, nn.Linear):
+            spec = ctx.tensor_spec(match.nodes[0]) if ctx.inputs is not None else None
+            if spec is None:
+                return f"{describe(match.nodes[0])}: Linear + BatchNorm1d fusion needs example inputs to check the shape."
+            if len(spec.shape) != 2:
+                return (f"{describe(match.nodes[0])} outputs shape {spec.shape}; BatchNorm1d then normalises dim 1, "
+                        "not the Linear's features, so they cannot be folded.")
+        return None
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        notes: list[str] = []
+        replaced: dict[str, str] = {}
+        patterns = _patterns()
+        found = [m for p in patterns for m in find_pattern(gm, p, where=self.where)]
+        wanted = [n for m in found if not m.blocked for n in (m.inputs[0], m.anchor)]
+        values = node_values(gm, ctx, wanted) if ctx.inputs is not None and wanted else {}
+        if ctx.inputs is None:
+            notes.append("no example inputs: fused layers were not checked numerically.")
+
+        infos: dict[str, dict[str, Any]] = {}
+
+        def build(match: Match) -> nn.Module | None:
+            reason = self._why_not(match, ctx)
+            if reason:
+                notes.append(f"left {match.describe()} alone: {reason}")
+                return None
+            layer, bn = match.modules()
+            fused = self.fold(layer, bn)
+            info: dict[str, Any] = {"from": [n.name for n in match.nodes]}
+            if values:
+                info["max_abs_diff"] = self._check(fused, match, values)
+            infos[match.anchor.name] = info
+            return fused
+
+        for pattern in patterns:
+            for rep in replace_pattern(gm, pattern, build=build, ctx=ctx, where=self.where):
+                info = infos[rep.match.anchor.name]
+                fx_meta(rep.output)["fused"] = info
+                replaced[rep.match.anchor.name] = rep.output.name
+                replaced[rep.match.nodes[0].name] = rep.output.name
+                diff = f": max |diff| {info['max_abs_diff']:.2e}" if "max_abs_diff" in info else ""
+                notes.append(f"fused {rep.match.describe()} into {rep.output.name}{diff}.")
+        notes.extend(f"left {m.describe()} alone: {m.blocked}" for m in found if m.blocked)
+        return PassResult(gm, replaced=replaced, notes=notes)
+
+    def _check(self, fused: nn.Module, match: Match, values: dict[str, Any]) -> float:
+        x, ref = values[match.inputs[0].name], values[match.anchor.name]
+        with torch.no_grad():
+            out = fused(x)
+        diff = (out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+        atol, rtol = self.atol, self.rtol
+        if ref.dtype in (torch.float16, torch.bfloat16):
+            atol, rtol = max(atol, 1e-2), max(rtol, 1e-2)
+        tol = atol + rtol * (ref.double().abs().max().item() if ref.numel() else 0.0)
+        if not diff <= tol:
+            raise PassError(
+                f"fuse: folding {match.describe()} changes the output by up to {diff:.3g} on the example inputs "
+                f"(tolerance {tol:.3g}); the model was not changed. Exclude the pair with where=, or raise "
+                "Fuse(atol=..., rtol=...) if that difference is acceptable.",
+                node=match.anchor.name, pass_name=self.name, op=type(match.modules()[0]).__name__)
+        return diff
