@@ -80,6 +80,11 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
 
 def bind_inputs(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
     """Positional values for ``gm``'s placeholders from ``args`` / ``kwargs`` / defaults."""
+    pytree_info = getattr(gm.graph._codegen, "pytree_info", None)
+    if pytree_info is not None and pytree_info.in_spec is not None:  # export graphs: flat (args, kwargs)
+        from torch.fx._pytree import tree_flatten_spec
+
+        return list(tree_flatten_spec((tuple(args), dict(kwargs)), pytree_info.in_spec))
     values: list[Any] = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     pos = list(args)

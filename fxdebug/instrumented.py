@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.node import map_arg
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
+from torch.fx.node import map_aggregate, map_arg
 
 from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
@@ -33,7 +36,7 @@ from .tracing import TraceInfo, capture_symbolic, normalize_inputs
 
 __all__ = ["Instrumented", "instrument", "trace"]
 
-_FRONTENDS = ("auto", "symbolic")
+_FRONTENDS = ("auto", "symbolic", "export", "subtrees")
 
 
 class Instrumented(GraphModule):
@@ -44,9 +47,16 @@ class Instrumented(GraphModule):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def _build(cls, model: nn.Module, graph: Graph, info: TraceInfo) -> "Instrumented":
-        gm = cls(model, graph, class_name=type(model).__name__)
+    def _build(cls, model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> "Instrumented":
+        """``namespace``: fxdebug's own modules the graph already refers to (``fxdebug.*`` targets)."""
+        root: nn.Module = model
+        if namespace is not None:
+            root = _Holder({**model._modules, NAMESPACE: namespace}, model._parameters, model._buffers,
+                           model._non_persistent_buffers_set, model.training)
+        gm = cls(root, graph, class_name=type(model).__name__)
         _adopt_hierarchy(gm, model)
+        if namespace is not None:
+            gm._modules[NAMESPACE] = namespace  # GraphModule copied it with persistent buffers; keep ours
         gm.meta["fxdebug"] = {"trace": info, "passes": [], "model_type": type(model).__name__}
         return gm
 
@@ -125,7 +135,9 @@ class Instrumented(GraphModule):
 
     # -- copying and saving ---------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> "Instrumented":
-        res = super().__deepcopy__(memo)
+        with warnings.catch_warnings():  # copying an export graph's TreeSpecs trips torch's LeafSpec deprecation
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            res = super().__deepcopy__(memo)
         _adopt_hierarchy(res, _Holder(
             OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items()),
             OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._parameters.items()),
@@ -138,7 +150,8 @@ class Instrumented(GraphModule):
                   set(self._non_persistent_buffers_set), self.training)
         extras = {k: v for k, v in self.__dict__.items()
                   if not k.startswith("_") and k not in ("training", "meta") and not callable(v)}
-        return (_load_instrumented, (serialize_graph(self.graph), holder, self.meta, extras))
+        return (_load_instrumented, (serialize_graph(self.graph), holder, self.meta, extras,
+                                     _encode_pytree_info(self.graph)))
 
 
 class _Holder(nn.Module):
@@ -181,6 +194,34 @@ class _Ref:
         return (_Ref, (self.name,))
 
 
+class _OpRef:
+    """A picklable stand-in for an aten ``OpOverload`` / higher-order op target (those do not pickle)."""
+
+    __slots__ = ("path",)
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (_OpRef, (self.path,))
+
+    def resolve(self) -> Any:
+        obj: Any = torch.ops
+        for part in self.path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _op_ref(target: Any) -> Any:
+    if isinstance(target, torch._ops.OpOverload):
+        return _OpRef(f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}")
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return _OpRef(target._qualified_op_name.replace("::", "."))
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return _OpRef(f"higher_order.{target.name()}")
+    return target
+
+
 _KEEP_META = ("fxdebug", "stack_trace", "nn_module_stack")
 
 
@@ -190,7 +231,7 @@ def serialize_graph(graph: Graph) -> list[tuple[Any, ...]]:
         args = map_arg(n.args, lambda a: _Ref(a.name))
         kwargs = map_arg(n.kwargs, lambda a: _Ref(a.name))
         meta = {k: n.meta[k] for k in _KEEP_META if k in n.meta}
-        rows.append((n.name, n.op, n.target, args, kwargs, meta))
+        rows.append((n.name, n.op, _op_ref(n.target), map_aggregate(args, _op_ref), map_aggregate(kwargs, _op_ref), meta))
     return rows
 
 
@@ -201,6 +242,8 @@ def deserialize_graph(rows: list[tuple[Any, ...]]) -> Graph:
     def resolve(x: Any) -> Any:
         if isinstance(x, _Ref):
             return env[x.name]
+        if isinstance(x, _OpRef):
+            return x.resolve()
         if isinstance(x, tuple):
             return tuple(resolve(v) for v in x)
         if isinstance(x, list):
@@ -212,17 +255,46 @@ def deserialize_graph(rows: list[tuple[Any, ...]]) -> Graph:
         return x
 
     for name, op, target, args, kwargs, meta in rows:
-        node = graph.create_node(op, target, resolve(args), resolve(kwargs), name=name)
+        node = graph.create_node(op, resolve(target), resolve(args), resolve(kwargs), name=name)
         node.meta.update(meta)
         env[name] = node
     return graph
 
 
-def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any]) -> Instrumented:
+def _encode_spec(spec: Any) -> Any:
+    """A TreeSpec as nested tuples: pickling TreeSpecs directly trips a torch deprecation warning."""
+    if spec is None:
+        return None
+    if spec.is_leaf():
+        return "*"
+    return (spec.type, spec.context, [_encode_spec(c) for c in spec.children()])
+
+
+def _decode_spec(x: Any) -> Any:
+    if x is None:
+        return None
+    if x == "*":
+        return pytree.treespec_leaf()
+    return pytree.TreeSpec(x[0], x[1], [_decode_spec(c) for c in x[2]])
+
+
+def _encode_pytree_info(graph: Graph) -> Any:
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is None:
+        return None
+    return (list(info.orig_args), _encode_spec(info.in_spec), _encode_spec(info.out_spec))
+
+
+def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any],
+                       pytree_info: Any = None) -> Instrumented:
     root = _Holder(*holder)
     for k, v in extras.items():
         setattr(root, k, v)
-    gm = Instrumented(root, deserialize_graph(rows), class_name=meta.get("fxdebug", {}).get("model_type", "GraphModule"))
+    graph = deserialize_graph(rows)
+    if pytree_info is not None:  # export graphs flatten (args, kwargs) and rebuild the output structure
+        orig_args, in_spec, out_spec = pytree_info
+        graph._codegen = _PyTreeCodeGen(_PyTreeInfo(orig_args, _decode_spec(in_spec), _decode_spec(out_spec)))
+    gm = Instrumented(root, graph, class_name=meta.get("fxdebug", {}).get("model_type", "GraphModule"))
     _adopt_hierarchy(gm, root)
     gm.meta = meta
     return gm
@@ -243,12 +315,23 @@ def trace(
     leaf_modules: Sequence[str | type[nn.Module]] = (),
     auto_leaf: bool = True,
     frontend: str = "auto",
+    dynamic_batch: bool = False,
 ) -> Instrumented:
     """Capture ``model`` as an ``Instrumented`` graph module, without passes.
 
-    Submodules that cannot be traced become leaves automatically (``auto_leaf=True``); which ones
-    and why is kept in ``.trace_info`` and shown in reports. If the root's own forward cannot be
-    traced, ``TraceError`` says where and what to do.
+    Frontends (``frontend=``), tried in this order by ``"auto"``:
+
+    * ``"symbolic"`` — ``torch.fx`` symbolic tracing; submodules that cannot be traced become
+      leaves automatically (``auto_leaf=True``), recorded in ``.trace_info`` and in reports.
+      Module-level graph, the most readable. Needs no example inputs.
+    * ``"export"`` — ``torch.export`` (non-strict) on the example inputs: an aten-level graph whose
+      nodes keep their module path. Captures roots that FX cannot (item assignment, loops over
+      inputs, ``*args``). ``dynamic_batch=True`` lets dim 0 of every tensor input vary.
+    * ``"subtrees"`` — keeps the root's forward eager and instruments the largest submodules
+      that one of the above captures; the report gives the fraction of parameters and executed
+      ops under instrumentation and which modules stayed eager, and why.
+
+    The chosen frontend is ``.trace_info.frontend``; ``"auto"`` also notes why earlier ones failed.
     """
     _check_model(model, "trace")
     if isinstance(model, Instrumented):
@@ -256,8 +339,50 @@ def trace(
     if frontend not in _FRONTENDS:
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_FRONTENDS)}.")
     inputs = normalize_inputs(example_inputs)
-    graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
-    return Instrumented._build(model, graph, info)
+    if frontend == "symbolic":
+        graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
+        return Instrumented._build(model, graph, info)
+    if frontend == "export":
+        return _trace_export(model, inputs, dynamic_batch)
+    if frontend == "subtrees":
+        return _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
+    start = time.perf_counter()
+    try:
+        graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
+        return Instrumented._build(model, graph, info)
+    except TraceError as exc:
+        symbolic_error = exc
+    why = [f"auto: symbolic tracing failed: {symbolic_error.message}"]
+    if inputs is None:
+        raise TraceError(
+            f"{symbolic_error.message} The other frontends (export, subtrees) run the model on example inputs, "
+            "and none were given: pass example_inputs=(x,) (or a dict of keyword inputs).",
+            module=symbolic_error.module, op=symbolic_error.op,
+        ) from symbolic_error
+    try:
+        gm = _trace_export(model, inputs, dynamic_batch)
+    except TraceError as exc:
+        why.append(f"auto: torch.export failed: {exc.message}")
+        gm = _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
+    info = gm.trace_info
+    info.notes[:0] = why
+    info.seconds = time.perf_counter() - start
+    return gm
+
+
+def _trace_export(model: nn.Module, inputs: Any, dynamic_batch: bool) -> Instrumented:
+    from .frontends.export import capture_export
+
+    graph, info, space = capture_export(model, inputs, dynamic_batch=dynamic_batch)
+    return Instrumented._build(model, graph, info, namespace=space)
+
+
+def _trace_subtrees(model: nn.Module, inputs: Any, leaf_modules: Sequence[str | type[nn.Module]],
+                    auto_leaf: bool, dynamic_batch: bool) -> Instrumented:
+    from .frontends.subtrees import capture_subtrees
+
+    return capture_subtrees(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf,
+                            dynamic_batch=dynamic_batch)
 
 
 def _copy_instrumented(gm: Instrumented) -> Instrumented:

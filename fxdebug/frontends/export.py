@@ -1,0 +1,258 @@
+"""The ``torch.export`` frontend: an aten-level graph for models whose root FX cannot trace.
+
+Symbolic tracing stops at the first Python construct a ``Proxy`` cannot stand in for: item
+assignment on a traced tensor, iterating over a list input, ``*args``/``**kwargs`` signatures,
+branching on a shape. ``torch.export.export(..., strict=False)`` runs the real Python on fake
+tensors instead, so it captures all of these, as aten ops. Each node keeps the module it ran in
+(``nn_module_stack``), which fxdebug copies into its own metadata, so reports and pictures still
+read as the model's structure.
+
+The exported program is turned into an fxdebug graph that refers to the model's *own* parameters
+and buffers by their dotted names (no copies, ``state_dict`` keys unchanged). Tensors the program
+created itself (constants built inside ``forward``) and nested graphs of higher-order ops go under
+the ``fxdebug`` namespace as non-persistent state. torch's guard module is replaced by a small
+picklable shape check that says which input has the wrong shape. Inputs and outputs keep the
+user's calling convention: the graph's pytree code generator flattens ``(args, kwargs)`` and
+rebuilds the model's own output structure (tuples, dicts, ``ModelOutput``s, dataclasses).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import time
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import Graph, GraphModule, Node
+
+from ..errors import TraceError, UsageError
+from ..meta import _clean_export_path, fx_meta
+from ..tracing import TraceInfo
+
+__all__ = ["InputGuard", "capture_export"]
+
+_UNKNOWN_TYPE = re.compile(r"Found <class '([^']+)'> in output")
+
+
+class InputGuard(nn.Module):
+    """Checks the shapes of the flat inputs against those the graph was captured with.
+
+    An exported graph is specialised to its example shapes (except dimensions marked dynamic).
+    Running it on other shapes fails deep inside an aten op, or worse, silently reshapes; this
+    check names the input and the dimension instead. Shapes are host metadata: no device sync.
+    """
+
+    def __init__(self, names: list[str], shapes: list[tuple[int | None, ...] | None]) -> None:
+        super().__init__()
+        self.names = names
+        self.shapes = shapes
+
+    def forward(self, *flat: Any) -> None:
+        for name, want, value in zip(self.names, self.shapes, flat):
+            if want is None or not isinstance(value, Tensor):
+                continue
+            got = tuple(value.shape)
+            if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
+                shown = tuple("*" if w is None else w for w in want)
+                raise UsageError(
+                    f"input '{name}' has shape {got}, but the graph was captured by torch.export for shape "
+                    f"{shown}. Trace again with inputs of this shape, or pass dynamic_batch=True to fxdebug.trace "
+                    "/ instrument to let the batch dimension vary.",
+                    node=name,
+                )
+        return None
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Mark dimension 0 of every tensor input dynamic, keyed the way ``torch.export`` expects."""
+    batch = torch.export.Dim.DYNAMIC
+
+    def spec(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return {0: batch} if v.dim() > 0 else None
+        if isinstance(v, (list, tuple)):
+            return type(v)(spec(x) for x in v)
+        if isinstance(v, dict):
+            return {k: spec(x) for k, x in v.items()}
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: spec(value) for name, value in bound.arguments.items()}
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_batch: bool,
+            notes: list[str]) -> Any:
+    """``torch.export.export`` (non-strict); dataclass outputs are registered with pytree once."""
+    dynamic = _dynamic_shapes(model, args, kwargs) if dynamic_batch else None
+    registered: set[str] = set()
+    while True:
+        try:
+            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+        except Exception as exc:
+            match = _UNKNOWN_TYPE.search(str(exc))
+            cls = _find_class(match.group(1)) if match else None
+            if cls is None or not dataclasses.is_dataclass(cls) or match.group(1) in registered:
+                raise
+            torch.export.register_dataclass(cls)
+            registered.add(match.group(1))
+            notes.append(f"registered the output dataclass {cls.__qualname__} with torch's pytree so "
+                         "the graph can rebuild it")
+
+
+def _find_class(qualname: str) -> type | None:
+    import sys
+
+    module, _, name = qualname.rpartition(".")
+    obj: Any = sys.modules.get(module)
+    for part in name.split(".") if obj is not None else ():
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) else None
+
+
+def _owned_tensor(model: nn.Module, target: str) -> bool:
+    """True if ``target`` names a parameter or buffer registered in ``model``'s hierarchy."""
+    owner, _, name = target.rpartition(".")
+    try:
+        mod = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return name in mod._parameters or name in mod._buffers
+
+
+def _model_attr(model: nn.Module, target: str) -> Any:
+    obj: Any = model
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: nn.Module) -> list[str]:
+    """Point get_attr nodes at the model's own tensors; move everything else under ``space``."""
+    params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    params.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
+    consts = nn.Module()
+    subgraphs = nn.Module()
+    moved = []
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        if _owned_tensor(model, target):
+            continue
+        value = _model_attr(exported, target)
+        own_name = params.get(id(value)) if isinstance(value, Tensor) else None
+        if own_name is not None:  # the same tensor, reached under another (tied) name
+            node.target = own_name
+            continue
+        safe = _safe(target)
+        if isinstance(value, nn.Module):
+            subgraphs.add_module(safe, value)
+            node.target = f"fxdebug.subgraphs.{safe}"
+        else:
+            mine = _model_attr(model, target)
+            tensor = mine if isinstance(mine, Tensor) else value
+            consts.register_buffer(safe, tensor, persistent=False)
+            node.target = f"fxdebug.constants.{safe}"
+        moved.append(target)
+    if len(consts._buffers):
+        space.add_module("constants", consts)
+    if len(subgraphs._modules):
+        space.add_module("subgraphs", subgraphs)
+    return moved
+
+
+def _replace_guards(graph: Graph, space: nn.Module) -> None:
+    """Swap torch's guard call (not picklable) for an ``InputGuard`` over the flat inputs."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in list(graph.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn":
+            graph.erase_node(node)
+    names, shapes = [], []
+    for ph in placeholders:
+        val = ph.meta.get("val")
+        names.append(ph.name)
+        if isinstance(val, Tensor):
+            shapes.append(tuple(d if isinstance(d, int) else None for d in val.shape))
+        else:
+            shapes.append(None)
+    if not any(s is not None for s in shapes):
+        return
+    space.add_module("input_guard", InputGuard(names, shapes))
+    anchor = placeholders[-1]
+    with graph.inserting_after(anchor):
+        guard = graph.create_node("call_module", "fxdebug.input_guard", tuple(placeholders), {})
+    meta = fx_meta(guard)
+    meta["role"], meta["module"], meta["module_type"], meta["keep_unused"] = "guard", "", "InputGuard", True
+
+
+def annotate_export(graph: Graph, model: nn.Module) -> None:
+    """Module path and type of every node, from ``nn_module_stack`` (get_attr: the owner)."""
+    modules = dict(model.named_modules())
+    for node in graph.nodes:
+        meta = fx_meta(node)
+        if "module" in meta:
+            continue
+        if node.op == "get_attr":
+            path = str(node.target).rpartition(".")[0]
+            path = "" if path.startswith("fxdebug") else path
+        else:
+            stack = node.meta.get("nn_module_stack") or {}
+            path = _clean_export_path(list(stack.values())[-1][0]) if stack else ""
+        meta["module"] = path
+        mod = modules.get(path)
+        if mod is not None:
+            meta["module_type"] = type(mod).__name__
+
+
+def capture_export(
+    model: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None,
+    *,
+    dynamic_batch: bool = False,
+) -> tuple[Graph, TraceInfo, nn.Module]:
+    """Export ``model`` on ``inputs``; returns the graph, how it was captured, and fxdebug's modules.
+
+    The graph's ``get_attr`` targets resolve on ``model`` (its own parameters and buffers) or
+    under the returned namespace module, to be registered as the ``fxdebug`` attribute.
+    """
+    if inputs is None:
+        raise TraceError(
+            f"the export frontend runs {type(model).__name__} on example inputs, and none were given: "
+            "pass example_inputs=(x,) (or a dict of keyword inputs) to fxdebug.trace / instrument.",
+            op=type(model).__name__,
+        )
+    start = time.perf_counter()
+    args, kwargs = inputs
+    info = TraceInfo(frontend="export")
+    try:
+        program = _export(model, args, kwargs, dynamic_batch, info.notes)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TraceError(
+            f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: {first}. "
+            "Data-dependent output sizes and Python that reads tensor values stop it; "
+            "frontend='subtrees' keeps the root eager and instruments the submodules that can be captured.",
+            op=type(model).__name__,
+        ) from exc
+    exported = program.module()
+    graph = exported.graph
+    space = nn.Module()
+    moved = _rehome_state(model, exported, graph, space)
+    _replace_guards(graph, space)
+    annotate_export(graph, model)
+    if moved:
+        info.notes.append(f"export: {len(moved)} tensors created by forward are kept as constants under 'fxdebug'")
+    if dynamic_batch:
+        info.notes.append("export: the batch dimension (dim 0 of every tensor input) is dynamic")
+    info.seconds = time.perf_counter() - start
+    return graph, info, space
+
