@@ -1,0 +1,332 @@
+"""``PruneMasks``: mask the least important weights or output channels of conv and linear layers.
+
+Masks live in the graph, not in the weights: each pruned layer's call goes through a ``Masked``
+module that multiplies the layer's own parameters by fixed 0/1 masks on every call. The user's
+weights are untouched (``unmask(gm)`` restores the plain calls), gradients of masked entries are
+exactly zero (the mask is part of the computation), and ``state_dict()`` keys stay the model's.
+With ``bake=True`` the layers are replaced by copies whose masked weights are zero, with gradient
+hooks that keep them zero through training; the model keeps its own weights.
+
+Structured pruning (``structured="channels"``) removes whole output channels; channels coupled
+through residual adds, concatenations and the batch-norm that follows are pruned as one group
+(see ``prune_groups``), so a pruned channel is zero everywhere it lands.
+
+``importance``: ``"magnitude"`` (|w|), ``"grad"`` (|w · ∂L/∂w| on ``batch`` with ``loss_fn``), or
+``"activation"`` (statistics collected on ``batch``: |w| times the input's per-feature norm for
+single weights, the output channel's mean |activation| for channels). ``batch`` defaults to the
+example inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Node
+
+import fxdebug
+from fxdebug import (Pass, PassContext, PassError, PassResult, UsageError, fx_meta, get_module, is_conv, is_linear,
+                     keep_state, node_values)
+
+from .prune_groups import ChannelGroups, channel_groups
+
+__all__ = ["Masked", "PruneMasks", "sparsity", "unmask"]
+
+
+class Masked(nn.Module):
+    """Calls a layer with some of its parameters multiplied by 0/1 masks.
+
+    The layer is referenced, not owned (it stays where it is in the model, so ``state_dict()``
+    keys do not change); masks are non-persistent buffers that follow ``.to(device)``.
+    """
+
+    def __init__(self, layer: nn.Module, path: str, masks: dict[str, Tensor]) -> None:
+        super().__init__()
+        object.__setattr__(self, "layer", layer)
+        self.path = path
+        self.names = sorted(masks)
+        for name, mask in masks.items():
+            self.register_buffer(f"mask_{name}", mask, persistent=False)
+
+    def mask(self, name: str) -> Tensor:
+        return getattr(self, f"mask_{name}")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        params = {n: getattr(self.layer, n) * self.mask(n) for n in self.names}
+        return torch.func.functional_call(self.layer, params, args, kwargs)
+
+    def extra_repr(self) -> str:
+        return f"layer={self.path!r}, sparsity={1 - self.mask('weight').float().mean().item():.3f}" if "weight" in self.names else f"layer={self.path!r}"
+
+
+def _bake(layer: nn.Module, masks: dict[str, Tensor]) -> nn.Module:
+    """A copy of ``layer`` with masked entries zeroed and kept at zero by gradient hooks."""
+    baked = copy.deepcopy(layer)
+    for name, mask in masks.items():
+        old = getattr(layer, name)
+        new = nn.Parameter(old.detach() * mask, requires_grad=old.requires_grad)
+        if new.requires_grad:
+            new.register_hook(lambda g, m=mask: g * m)
+        setattr(baked, name, new)
+    baked._fxdebug_masks = masks  # type: ignore[attr-defined]
+    return baked
+
+
+def _lowest(scores: Tensor, k: int) -> Tensor:
+    """Flat indices of the ``k`` lowest scores (ties broken by position, so exactly ``k``)."""
+    return torch.argsort(scores.flatten(), stable=True)[:k]
+
+
+class PruneMasks(Pass):
+    """Mask the ``amount`` fraction of least important weights (or output channels).
+
+    Args:
+        amount: fraction in [0, 1) of weights / channels to mask.
+        structured: ``False`` for single weights, ``"channels"`` for whole output channels.
+        scope: ``"global"`` ranks across all selected layers, ``"layer"`` within each layer (for
+            channels: within each family of coupled layers).
+        importance: ``"magnitude"``, ``"grad"`` or ``"activation"``.
+        bake: zero the weights in copies of the layers instead of masking in the graph.
+        loss_fn: ``loss_fn(output) -> scalar``, needed for ``importance="grad"``.
+        batch: inputs for ``"grad"`` / ``"activation"`` (default: the example inputs).
+        norm: 1 or 2, the channel norm for structured magnitude ranking.
+        where: limit the pass to some layers.
+    """
+
+    name = "prune-masks"
+
+    def __init__(self, amount: float, structured: bool | str = False, scope: str = "global",
+                 importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,
+                 batch: Any = None, norm: int = 1, where: fxdebug.Where = None) -> None:
+        super().__init__(where=where)
+        if not 0.0 <= float(amount) < 1.0:
+            raise UsageError(f"PruneMasks(amount={amount!r}): amount is a fraction in [0, 1).")
+        if structured not in (False, None, "channels"):
+            raise UsageError(f"PruneMasks(structured={structured!r}): use False or \"channels\".")
+        if scope not in ("global", "layer"):
+            raise UsageError(f"PruneMasks(scope={scope!r}): use \"global\" or \"layer\".")
+        if importance not in ("magnitude", "grad", "activation"):
+            raise UsageError(f"PruneMasks(importance={importance!r}): use \"magnitude\", \"grad\" or \"activation\".")
+        if importance == "grad" and loss_fn is None:
+            raise UsageError("PruneMasks(importance=\"grad\") needs loss_fn=, a function of the model's output "
+                             "returning a scalar loss (e.g. lambda out: F.cross_entropy(out, y)).")
+        if norm not in (1, 2):
+            raise UsageError(f"PruneMasks(norm={norm!r}): use 1 or 2.")
+        self.amount, self.structured, self.scope, self.importance, self.bake = float(amount), structured or False, scope, importance, bake
+        self.loss_fn, self.batch, self.norm = loss_fn, batch, norm
+
+    # -- what to prune --------------------------------------------------------------------------
+    def _layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, nn.Module]:
+        layers: dict[str, nn.Module] = {}
+        for node in ctx.nodes(gm, self.where, ops=("call_module",)):
+            mod = get_module(gm, node)
+            if (is_conv(node, gm) or is_linear(node, gm)) and isinstance(getattr(mod, "weight", None), Tensor):
+                layers.setdefault(str(node.target), mod)
+        return layers
+
+    def _weight_scores(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module]) -> dict[str, Tensor]:
+        """One score per weight entry, by the chosen importance."""
+        weights = {p: m.weight.detach().abs().float() for p, m in layers.items()}
+        if self.importance == "grad":
+            grads = self._grads(gm, ctx, layers)
+            return {p: (layers[p].weight.detach() * grads[p]).abs().float() for p in layers}
+        if self.importance == "activation":
+            acts = self._activations(gm, ctx, layers, inputs=True)
+            out = {}
+            for p, m in layers.items():
+                a = acts.get(p)
+                groups = getattr(m, "groups", 1)
+                if a is None or groups != 1:
+                    out[p] = weights[p]
+                    continue
+                w = weights[p]
+                view = [1] * w.dim()
+                view[0 if isinstance(m, nn.modules.conv._ConvTransposeNd) else 1] = -1
+                out[p] = w * a.to(w.device).reshape(view)
+            return out
+        return weights
+
+    def _grads(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module]) -> dict[str, Tensor]:
+        params = [m.weight for m in layers.values()]
+        if not all(p.requires_grad for p in params):
+            raise PassError("PruneMasks(importance=\"grad\") needs weights that require grad; some layers are frozen. "
+                            "Exclude them with where= or use importance=\"magnitude\".", pass_name=self.name)
+        with keep_state(gm), torch.enable_grad():
+            out = node_values(gm, ctx, ["output"], inputs=self.batch, grad=True)["output"]
+            loss = self.loss_fn(out)  # type: ignore[misc]
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return {p: (g if g is not None else torch.zeros_like(w)).detach() for (p, w), g in zip(((k, m.weight) for k, m in layers.items()), grads)}
+
+    def _activations(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module], inputs: bool) -> dict[str, Tensor]:
+        """Per channel: L2 norm of each layer's input (``inputs=True``) or mean |output|."""
+        calls = [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) in layers]
+        names = [n.args[0] if inputs else n for n in calls]
+        values = node_values(gm, ctx, [n for n in names if isinstance(n, Node)], inputs=self.batch)
+        stats: dict[str, Tensor] = {}
+        for call, src in zip(calls, names):
+            v = values.get(src.name) if isinstance(src, Node) else None
+            if not isinstance(v, Tensor) or v.dim() < 1:
+                continue
+            layer = layers[str(call.target)]
+            axis = v.dim() - 1 if isinstance(layer, nn.Linear) or v.dim() == 1 else 1
+            dims = [d for d in range(v.dim()) if d != axis]
+            s = torch.linalg.vector_norm(v.float(), 2, dim=dims) if inputs else v.float().abs().mean(dim=dims)
+            stats[str(call.target)] = stats[str(call.target)] + s if str(call.target) in stats else s
+        return stats
+
+    # -- masks ----------------------------------------------------------------------------------
+    def _unstructured(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module]) -> dict[str, dict[str, Tensor]]:
+        scores = self._weight_scores(gm, ctx, layers)
+        masks = {p: torch.ones_like(s, dtype=layers[p].weight.dtype) for p, s in scores.items()}
+        if self.scope == "layer":
+            for p, s in scores.items():
+                masks[p].view(-1)[_lowest(s, round(self.amount * s.numel()))] = 0
+        else:
+            flat = torch.cat([s.flatten().cpu() for s in scores.values()])
+            picked = _lowest(flat, round(self.amount * flat.numel()))
+            offset = 0
+            for p, s in scores.items():
+                here = picked[(picked >= offset) & (picked < offset + s.numel())] - offset
+                masks[p].view(-1)[here.to(masks[p].device)] = 0
+                offset += s.numel()
+        return {p: {"weight": m} for p, m in masks.items()}
+
+    def _channel_scores(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module]) -> dict[str, Tensor]:
+        """One score per output channel, divided by the layer's mean so layers compare fairly."""
+        if self.importance == "activation":
+            raw = self._activations(gm, ctx, layers, inputs=False)
+        else:
+            w = self._weight_scores(gm, ctx, layers) if self.importance == "grad" else {p: m.weight.detach().float() for p, m in layers.items()}
+            raw = {}
+            for p, m in layers.items():
+                t = w[p].transpose(0, 1) if isinstance(m, nn.modules.conv._ConvTransposeNd) else w[p]
+                t = t.flatten(1)
+                raw[p] = t.abs().sum(1) if self.importance == "grad" or self.norm == 1 else t.norm(dim=1)
+        return {p: s.cpu() / (s.mean().cpu() + 1e-12) for p, s in raw.items()}
+
+    def _structured(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module],
+                    notes: list[str]) -> dict[str, dict[str, Tensor]]:
+        if ctx.inputs is None:
+            raise PassError("PruneMasks(structured=\"channels\") needs example inputs to find coupled channels: "
+                            "call instrument(model, passes, example_inputs=(x,)).", pass_name=self.name)
+        producers = {}
+        for p, m in layers.items():
+            if isinstance(m, nn.modules.conv._ConvTransposeNd) and m.groups != 1:
+                notes.append(f"kept {p}: grouped ConvTranspose channels are not pruned.")
+                continue
+            producers[p] = m.weight.shape[1] if isinstance(m, nn.modules.conv._ConvTransposeNd) else m.weight.shape[0]
+        layers = {p: layers[p] for p in producers}
+        groups = channel_groups(gm, ctx, producers)
+        scores = self._channel_scores(gm, ctx, layers)
+        group_score = [sum(float(scores[p][c]) for p, c in g) / len(g) for g in groups.groups]
+        pruned: set[int] = set()
+        pools = groups.families() if self.scope == "layer" else [list(range(len(groups.groups)))]
+        for pool in pools:
+            want = round(self.amount * len(pool))
+            free = sorted((i for i in pool if groups.pinned[i] is None), key=lambda i: (group_score[i], i))
+            pruned.update(free[:want])
+            if want > len(free):
+                reasons = sorted({groups.pinned[i] for i in pool if groups.pinned[i]})
+                notes.append(f"wanted {want} channel groups but only {len(free)} can be pruned: {'; '.join(reasons)}.")
+        masks: dict[str, dict[str, Tensor]] = {}
+        for i in sorted(pruned):
+            for p, c in groups.groups[i]:
+                m = layers[p]
+                if p not in masks:
+                    masks[p] = {"weight": torch.ones_like(m.weight)}
+                    if m.bias is not None:
+                        masks[p]["bias"] = torch.ones_like(m.bias)
+                if isinstance(m, nn.modules.conv._ConvTransposeNd):
+                    masks[p]["weight"][:, c] = 0
+                else:
+                    masks[p]["weight"][c] = 0
+                if "bias" in masks[p]:
+                    masks[p]["bias"][c] = 0
+        for path, owners in groups.followers.items():
+            bn = gm.get_submodule(path)
+            cut = [c for c, g in enumerate(owners) if g in pruned]
+            if cut and bn.affine:
+                masks[path] = {"weight": torch.ones_like(bn.weight), "bias": torch.ones_like(bn.bias)}
+                masks[path]["weight"][cut] = 0
+                masks[path]["bias"][cut] = 0
+        return masks
+
+    # -- the pass -------------------------------------------------------------------------------
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        layers = self._layers(gm, ctx)
+        notes: list[str] = []
+        if not layers:
+            return PassResult(gm, notes=["no conv or linear layers selected; nothing pruned."])
+        masks = self._structured(gm, ctx, layers, notes) if self.structured else self._unstructured(gm, ctx, layers)
+        replaced: dict[str, str] = {}
+        for path, layer_masks in masks.items():
+            layer = gm.get_submodule(path)
+            module = _bake(layer, layer_masks) if self.bake else Masked(layer, path, layer_masks)
+            target = ctx.add_module(gm, f"{'baked' if self.bake else 'masked'}_{path}", module)
+            w = layer_masks["weight"]
+            info = {"layer": path, "sparsity": 1.0 - float(w.float().mean()), "masked": int((w == 0).sum()),
+                    "weights": w.numel(), "baked": self.bake}
+            if self.structured:
+                info["channels"] = _zero_channels(layer, w)
+            for node in [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) == path]:
+                node.target = target
+                meta = fx_meta(node)
+                ctx.copy_meta(node, node)
+                meta["module_type"] = type(layer).__name__
+                meta["pruned"] = info
+                replaced[node.name] = node.name
+        stats = sparsity(gm)
+        for path, s in stats["layers"].items():
+            notes.append(f"{path}: {s:.1%} of weights masked.")
+        notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
+        return PassResult(gm, replaced=replaced, notes=notes)
+
+
+def _zero_channels(layer: nn.Module, w: Tensor) -> list[int]:
+    """Output channels whose mask is zero throughout."""
+    if isinstance(layer, nn.modules.conv._ConvTransposeNd):
+        w = w.transpose(0, 1)
+    rows = (w == 0).reshape(w.shape[0], -1).all(1)
+    return [int(i) for i in rows.nonzero().flatten()]
+
+
+def _masks_of(module: nn.Module) -> dict[str, Tensor] | None:
+    if isinstance(module, Masked):
+        return {n: module.mask(n) for n in module.names}
+    return getattr(module, "_fxdebug_masks", None)
+
+
+def sparsity(gm: GraphModule) -> dict[str, Any]:
+    """``{"layers": {layer path: fraction of weights masked}, "global": fraction, "weights": count}``.
+
+    Read from the masks in the graph, so it is what the model really computes with. Batch-norm
+    parameters zeroed along with pruned channels are not counted.
+    """
+    layers: dict[str, float] = {}
+    masked = total = 0
+    for node in gm.graph.nodes:
+        mod = get_module(gm, node)
+        masks = _masks_of(mod) if mod is not None else None
+        if not masks or "weight" not in masks or masks["weight"].dim() < 2:
+            continue  # batch-norm followers of pruned channels are not counted as weights
+        path = fx_meta(node).get("pruned", {}).get("layer", str(node.target))
+        if path in layers:
+            continue
+        w = masks["weight"]
+        zeros = int((w == 0).sum())
+        layers[path] = zeros / w.numel()
+        masked, total = masked + zeros, total + w.numel()
+    return {"layers": layers, "global": masked / total if total else 0.0, "weights": total}
+
+
+def unmask(gm: GraphModule) -> GraphModule:
+    """Undo graph masks: every masked call calls its original layer again (in place on ``gm``)."""
+    for node in gm.graph.nodes:
+        mod = get_module(gm, node)
+        if isinstance(mod, Masked):
+            node.target = mod.path
+            fx_meta(node).pop("pruned", None)
+    gm.recompile()
+    return gm
