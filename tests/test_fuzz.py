@@ -1,0 +1,205 @@
+"""Property tests over random models (``tests/fuzz_models.py``): fxdebug never changes what a
+model computes unless asked to, and never touches the model it was given.
+
+CI runs a bounded number of examples per property (``FXDEBUG_FUZZ_EXAMPLES``, default 12 for
+each of the three properties here, so about 36 models plus shrinking); set
+``FXDEBUG_FUZZ_EXAMPLES=2000`` (or ``FXDEBUG_SLOW=1`` for 500) to run thousands locally.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import os
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import fxdebug
+from fuzz_models import ModelSpec, build, flat_tensors, model_specs
+
+_DEFAULT = 500 if os.environ.get("FXDEBUG_SLOW") else 12
+EXAMPLES = int(os.environ.get("FXDEBUG_FUZZ_EXAMPLES", _DEFAULT))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FXDEBUG_FUZZ_RANDOM"),
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True, database=None,
+                phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+
+
+# -- a small observe-only pass of our own, so the properties hold without the pass library ------
+class SumProbe(fxdebug.Probe):
+    """Counts calls and sums values, in float64, forward and backward."""
+
+    key = "fuzz-sum"
+    grads = True
+
+    def init_state(self, x: Tensor, phase: str) -> dict[str, Tensor]:
+        return {"sum": torch.zeros((), dtype=torch.float64, device=x.device),
+                "n": torch.zeros((), dtype=torch.int64, device=x.device)}
+
+    def update(self, state: dict[str, Tensor], r: fxdebug.Reductions, ctx: fxdebug.ObservationContext) -> None:
+        state["sum"] += r["sum"].to(torch.float64)
+        state["n"] += 1
+
+    def summary(self, state: dict[str, Tensor], phase: str) -> dict[str, Any]:
+        return {"fuzz_sum": float(state["sum"]), "fuzz_n": int(state["n"])}
+
+
+class WatchAll(fxdebug.Pass):
+    name = "fuzz-watch"
+    observe_only = True
+
+    def run(self, gm: Any, ctx: fxdebug.PassContext) -> fxdebug.PassResult:
+        added = [ctx.observe(n, SumProbe()) for n in ctx.nodes(gm, self.where, float_outputs=True)]
+        return fxdebug.PassResult(gm, added=[a for a in added if a is not None])
+
+
+def _real_pass(name: str, **kwargs: Any) -> fxdebug.Pass | None:
+    """An instance of a library pass, or None while it has not landed yet."""
+    try:
+        cls = getattr(importlib.import_module("fxdebug.passes"), name)
+    except (AttributeError, ImportError):
+        return None
+    return cls(**kwargs)
+
+
+def observe_passes() -> list[fxdebug.Pass]:
+    found = [_real_pass("ShapeAssert"), _real_pass("NaNCheck"), _real_pass("StatCollector", grads=True),
+             _real_pass("DeviceCheck")]
+    return [WatchAll(), *[p for p in found if p is not None]]
+
+
+# -- what "the model's state" is ------------------------------------------------------------------
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything about ``model`` an instrumenting tool must leave alone, copied."""
+    return {
+        "state": {k: v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()},
+        "ids": {k: id(v) for k, v in model.state_dict(keep_vars=True).items()},
+        "modules": [(name, type(m), id(m), m.training) for name, m in model.named_modules()],
+        "children": {name: list(m._modules) for name, m in model.named_modules()},
+        "requires_grad": {k: p.requires_grad for k, p in model.named_parameters()},
+        "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
+        "dict_keys": sorted(model.__dict__),
+    }
+
+
+def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["ids"] == b["ids"] and a["modules"] == b["modules"] and a["children"] == b["children"]
+    assert a["requires_grad"] == b["requires_grad"] and a["dict_keys"] == b["dict_keys"]
+    for k, v in a["state"].items():
+        assert v.dtype == b["state"][k].dtype and torch.equal(v, b["state"][k]), f"state '{k}' changed"
+    for k, g in a["grads"].items():
+        h = b["grads"][k]
+        assert (g is None) == (h is None) and (g is None or torch.equal(g, h)), f"grad of '{k}' changed"
+
+
+def assert_same_values(model: nn.Module, ref: nn.Module) -> None:
+    """``model`` and ``ref`` (a deepcopy run identically) hold bitwise-equal params, grads, buffers."""
+    ref_params = dict(ref.named_parameters())
+    for k, p in model.named_parameters():
+        q = ref_params[k]
+        assert torch.equal(p, q), f"parameter '{k}' differs"
+        assert (p.grad is None) == (q.grad is None), f"grad of '{k}': {p.grad is None} vs {q.grad is None}"
+        if p.grad is not None:
+            assert torch.equal(p.grad, q.grad), f"grad of '{k}' differs"
+    ref_bufs = dict(ref.named_buffers())
+    for k, b in model.named_buffers():
+        assert torch.equal(b, ref_bufs[k]), f"buffer '{k}' differs"
+    assert [m.training for m in model.modules()] == [m.training for m in ref.modules()]
+
+
+def run_step(module: nn.Module, x: Tensor, seed: int) -> tuple[Any, Tensor | None]:
+    """One forward and backward from a fixed RNG state; returns the output and the input grad."""
+    x = x.clone().requires_grad_(x.is_floating_point())
+    torch.manual_seed(seed)
+    out = module(x)
+    tensors = [t for t in flat_tensors(out) if t.is_floating_point() and t.requires_grad]
+    if tensors:
+        loss = sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view(t.shape)).sum() for t in tensors)
+        loss.backward()
+    return out, x.grad
+
+
+def assert_outputs_equal(a: Any, b: Any) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_outputs_equal(a[k], b[k])
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b)
+        for u, v in zip(a, b):
+            assert_outputs_equal(u, v)
+    else:
+        assert a == b
+
+
+def check_observe_only(spec: ModelSpec, train: bool, passes: list[fxdebug.Pass]) -> fxdebug.Instrumented:
+    model = build(spec).train(train)
+    x = spec.example()
+    ref = copy.deepcopy(model)
+    before = snapshot(model)
+    rng = torch.get_rng_state()
+    dbg = fxdebug.instrument(model, passes=passes, example_inputs=(x,))
+    assert torch.equal(torch.get_rng_state(), rng), "instrument() consumed the global RNG"
+    assert_same_state(before, snapshot(model))
+    assert dbg.trace_info.frontend == "symbolic" and not dbg.trace_info.auto_leaves
+    assert list(dbg.state_dict()) == list(model.state_dict())
+    for step in range(2):
+        out_ref, gx_ref = run_step(ref, x, spec.seed + step)
+        out, gx = run_step(dbg, x, spec.seed + step)
+        assert_outputs_equal(out, out_ref)
+        assert (gx is None and gx_ref is None) or torch.equal(gx, gx_ref)
+        assert_same_values(model, ref)
+    return dbg
+
+
+@FUZZ
+@given(spec=model_specs(), train=st.booleans())
+def test_observe_only_passes_are_bitwise_transparent(spec: ModelSpec, train: bool) -> None:
+    dbg = check_observe_only(spec, train, observe_passes())
+    report = dbg.report()
+    assert report.calls == 2
+    for row in report.rows:
+        if "fuzz_n" in row:
+            assert row["fuzz_n"] == row["calls"] == 2, row
+
+
+@FUZZ
+@given(spec=model_specs())
+def test_watched_sums_match_an_eager_recomputation(spec: ModelSpec) -> None:
+    """What the probe recorded for the last node equals what the plain model computes."""
+    model = build(spec).eval()
+    x = spec.example()
+    dbg = fxdebug.instrument(model, passes=[WatchAll()], example_inputs=(x,))
+    with torch.no_grad():
+        dbg(x)
+        dbg(x)
+        outs = [t for t in flat_tensors(model(x)) if t.is_floating_point()]
+    # the forward's first returned value is always the newest step's value
+    last = [n for n in dbg.graph.nodes if n.op == "output"][0].all_input_nodes[0]
+    row = dbg.report().row(last.name)
+    expected = 2 * outs[0].sum(dtype=torch.float64 if outs[0].dtype == torch.float64 else torch.float32).double()
+    assert row["fuzz_n"] == 2
+    assert row["fuzz_sum"] == pytest.approx(float(expected), rel=1e-5, abs=1e-4)
+
+
+@FUZZ
+@given(spec=model_specs())
+def test_instrumenting_twice_composes(spec: ModelSpec) -> None:
+    """instrument(instrument(m)) watches each node once and still computes the model bitwise."""
+    model = build(spec).eval()
+    x = spec.example()
+    once = fxdebug.instrument(model, passes=[WatchAll()], example_inputs=(x,))
+    twice = fxdebug.instrument(once, passes=[WatchAll()], example_inputs=(x,))
+    assert len(twice.observers()) == len(once.observers())
+    assert sum(1 for n in twice.graph.nodes if fxdebug.is_instrumentation(n)) == \
+        sum(1 for n in once.graph.nodes if fxdebug.is_instrumentation(n))
+    with torch.no_grad():
+        assert_outputs_equal(twice(x), model(x))
+    assert twice.report().calls == 1 and once.report().calls == 0
