@@ -29,14 +29,23 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 class Reductions:
     """Lazily computed, cached reductions of one tensor, shared by all probes of a node.
 
-    Keys: ``sum``, ``norm2`` (L2 norm), ``norm1`` (sum of |x|), ``min``, ``max`` (from one
-    ``aminmax``), ``chan_max`` (max over every dim but dim 1; ``None`` below 2 dims), ``nonzero``
-    (count), ``nan`` and ``inf`` (counts), ``numel``. Sums and norms accumulate in float32 (float64
-    for float64 inputs), so half-precision activations do not overflow the statistics.
+    Keys: ``sum``, ``norm2`` (L2 norm), ``norm1`` (sum of |x|), ``min``, ``max``, ``chan_max``
+    (max over every dim but the channel dim; ``None`` below 2 dims), ``nonzero`` (count), ``nan``
+    and ``inf`` (counts), ``numel``. Sums and norms accumulate in float32 (float64 for float64
+    inputs), so half-precision activations do not overflow the statistics.
+
+    Each key is one pass over the data at most, and keys share passes where they can: with a
+    channel dim, ``max`` is the max of ``chan_max`` (a tiny reduction), never a second pass.
+    ``extremes()`` returns ``(min, max-or-chan_max)`` with no extra op at all: NaN propagates
+    through both, and +/-Inf shows in one of them, so a probe that only needs to know "was
+    anything non-finite?" can keep these two tensors and decide later, without a host sync.
+    The kernel chosen per key depends on the device (on CPU ``amin`` + ``amax`` beat
+    ``aminmax``, and ``abs().sum()`` beats ``vector_norm(x, 1)``; on CUDA the fused forms win).
     """
 
-    def __init__(self, x: Tensor) -> None:
+    def __init__(self, x: Tensor, channel_dim: int | None = None) -> None:
         self.x = x
+        self.channel_dim = channel_dim if x.dim() >= 2 else None
         self._cache: dict[str, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
@@ -44,33 +53,42 @@ class Reductions:
             self._compute(key)
         return self._cache[key]
 
+    def extremes(self) -> tuple[Tensor, Tensor]:
+        """``(min, hi)``: the global min and, with a channel dim, the per-channel max (else the max)."""
+        if self.channel_dim is not None and self.x.numel() > 0:
+            return self["min"], self["chan_max"]
+        return self["min"], self["max"]
+
     def _compute(self, key: str) -> None:
         x, c = self.x, self._cache
         acc = _acc_dtype(x)
+        fused = x.device.type != "cpu"
         if key == "sum":
             c[key] = x.sum(dtype=acc)
         elif key == "norm2":
             c[key] = torch.linalg.vector_norm(x, 2, dtype=acc)
         elif key == "norm1":
-            c[key] = torch.linalg.vector_norm(x, 1, dtype=acc)
+            c[key] = torch.linalg.vector_norm(x, 1, dtype=acc) if fused else x.abs().sum(dtype=acc)
         elif key in ("min", "max"):
             if x.numel() == 0:
                 c["min"] = torch.full((), float("inf"), device=x.device, dtype=acc)
                 c["max"] = torch.full((), float("-inf"), device=x.device, dtype=acc)
-            elif x.dim() >= 2 and "chan_max" in c:
-                c["max"] = c["chan_max"].max().to(acc)
-                c["min"] = x.amin().to(acc)
-            else:
+            elif key == "max" and self.channel_dim is not None:
+                c["max"] = self["chan_max"].max().to(acc)
+            elif fused and self.channel_dim is None:
                 lo, hi = torch.aminmax(x)
                 c["min"], c["max"] = lo.to(acc), hi.to(acc)
+            else:
+                c[key] = (x.amin() if key == "min" else x.amax()).to(acc)
         elif key == "chan_max":
             if x.dim() < 2 or x.numel() == 0:
                 c[key] = None
             else:
-                dims = [d for d in range(x.dim()) if d != 1]
-                c[key] = x.amax(dim=dims)
+                cd = (self.channel_dim if self.channel_dim is not None else 1) % x.dim()
+                dims = [d for d in range(x.dim()) if d != cd]
+                c[key] = x.amax(dim=dims).to(acc)
         elif key == "nonzero":
-            c[key] = torch.count_nonzero(x)
+            c[key] = torch.linalg.vector_norm(x, 0, dtype=acc) if fused else torch.count_nonzero(x)
         elif key == "nan":
             c[key] = torch.isnan(x).sum()
         elif key == "inf":
@@ -82,27 +100,28 @@ class Reductions:
 
 
 class Clock(nn.Module):
-    """Counts forward calls on the device, so probes can tell *which* call saw something first.
+    """Counts forward calls, on the host and (lazily) on each device probes ask about.
 
-    One ``Clock`` node runs at the start of the graph; probes read ``clock.now(device)`` (a 0-d
-    int64 tensor) and compare with tensor ops, never with Python ints, so the count never syncs.
+    One ``Clock`` node runs at the start of the graph. ``clock.now(device)`` is a 0-d int64
+    tensor holding the index of the current forward call (0 for the first). A fresh tensor is
+    made once per call and device (a fill, no host-to-device copy) and never mutated, so a probe
+    may keep a reference as a timestamp and compare it later with tensor ops, without a sync.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self._ticks: dict[torch.device, Tensor] = {}
+        self._ticks: dict[torch.device, tuple[int, Tensor]] = {}
         self.calls = 0  # host-side count, for reports
 
     def now(self, device: torch.device) -> Tensor:
-        t = self._ticks.get(device)
-        if t is None:
-            t = self._ticks[device] = torch.zeros((), dtype=torch.int64, device=device)
-        return t
+        index = max(self.calls - 1, 0)
+        hit = self._ticks.get(device)
+        if hit is None or hit[0] != index:
+            hit = self._ticks[device] = (index, torch.full((), index, dtype=torch.int64, device=device))
+        return hit[1]
 
     def forward(self, *anchors: Any) -> None:
         self.calls += 1
-        for t in self._ticks.values():
-            t.add_(1)
 
     def reset(self) -> None:
         self._ticks.clear()
@@ -128,13 +147,20 @@ class Probe:
             what makes running a pass twice (or instrumenting twice) harmless.
         grads: also observe the gradient flowing into the node's output.
         wants_inputs: pass the node's tensor inputs to ``update`` (slow paths, e.g. raise mode).
+        channel_dim: which dim of the output holds channels (1 for NCHW, -1 for (N, T, D)), or
+            ``None``. The observer gives the first probe's non-``None`` value to ``Reductions``,
+            so probes on one node agree on it and share the per-channel pass.
 
     ``update`` must use tensor ops only in record mode (no ``.item()``, ``bool()``, ``if t:``).
+    State values may be tensors (kept on the observed tensor's device), Python numbers (host
+    counts known without a sync, such as element counts) or lists of tensors (pending values a
+    probe folds later, which keeps per-call work to a minimum).
     """
 
     key: str = "probe"
     grads: bool = False
     wants_inputs: bool = False
+    channel_dim: int | None = None
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Tensor]:
         """Fresh state for a tensor like ``x`` (same device); ``phase`` is "forward" or "grad"."""
@@ -151,10 +177,12 @@ class Probe:
 class ObservationContext:
     """What a probe may look at during an update, besides the reductions."""
 
-    __slots__ = ("node_name", "module_path", "op", "phase", "inputs", "clock", "observer")
+    __slots__ = ("node_name", "module_path", "op", "phase", "inputs", "clock", "call", "observer")
 
-    def __init__(self, observer: "Observer", phase: str, inputs: tuple[Any, ...], clock: Tensor | None) -> None:
+    def __init__(self, observer: "Observer", phase: str, inputs: tuple[Any, ...], clock: Tensor | None,
+                 call: int = 0) -> None:
         self.observer = observer
+        self.call = call  # host-side index of the current forward call (what ``clock`` holds)
         self.node_name = observer.node_name
         self.module_path = observer.module_path
         self.op = observer.op
@@ -175,6 +203,8 @@ class Observer(nn.Module):
         self.module_path = module_path
         self.op = op
         self.probes: dict[str, Probe] = {}
+        self._grads = False
+        self._channel_dim: int | None = None
         self.states: dict[tuple[str, str], dict[str, Tensor]] = {}
         self.calls = 0
         object.__setattr__(self, "_clock", clock)  # shared, not a child: one clock per graph
@@ -185,6 +215,9 @@ class Observer(nn.Module):
         if probe.key in self.probes:
             return False
         self.probes[probe.key] = probe
+        self._grads = self._grads or probe.grads
+        if self._channel_dim is None:
+            self._channel_dim = probe.channel_dim
         return True
 
     @property
@@ -193,7 +226,7 @@ class Observer(nn.Module):
 
     @property
     def wants_grads(self) -> bool:
-        return any(p.grads for p in self.probes.values())
+        return self._grads
 
     def reset(self) -> None:
         self.states.clear()
@@ -205,7 +238,7 @@ class Observer(nn.Module):
             return None
         self.calls += 1
         self._observe(out, "forward", inputs)
-        if out.requires_grad and torch.is_grad_enabled() and self.wants_grads:
+        if self._grads and out.requires_grad and torch.is_grad_enabled():
             out.register_hook(self._grad_hook)
         return None
 
@@ -214,18 +247,19 @@ class Observer(nn.Module):
         return None
 
     def _observe(self, x: Tensor, phase: str, inputs: tuple[Any, ...]) -> None:
-        r = Reductions(x.detach())
+        r = Reductions(x.detach(), self._channel_dim)
         clock = self._clock.now(x.device) if self._clock is not None else None
-        ctx = ObservationContext(self, phase, inputs, clock)
+        call = max(self._clock.calls - 1, 0) if self._clock is not None else max(self.calls - 1, 0)
+        ctx = ObservationContext(self, phase, inputs, clock, call)
         with torch.no_grad():
             for key, probe in self.probes.items():
                 if phase == "grad" and not probe.grads:
                     continue
                 state = self.states.get((key, phase))
-                if state is None or _state_device(state) not in (None, x.device):
-                    state = self.states[(key, phase)] = (
-                        {k: v.to(x.device) for k, v in state.items()} if state else probe.init_state(x, phase)
-                    )
+                if state is None:
+                    state = self.states[(key, phase)] = probe.init_state(x, phase)
+                elif _state_device(state) not in (None, x.device):
+                    state = self.states[(key, phase)] = _to_device(state, x.device)
                 probe.update(state, r, ctx)
 
     # -- reading --------------------------------------------------------------------------------
@@ -252,11 +286,22 @@ class Observer(nn.Module):
         self.__dict__.update(state)
 
 
-def _state_device(state: dict[str, Tensor]) -> torch.device | None:
+def _state_device(state: dict[str, Any]) -> torch.device | None:
     for v in state.values():
         if isinstance(v, Tensor):
             return v.device
     return None
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor inside (dicts, lists, tuples) moved to ``device``."""
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
 
 
 ProbeFactory = Callable[[], Probe]

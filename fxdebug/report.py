@@ -6,8 +6,12 @@ summarised). The NaN/Inf origin is derived here from the probes' ``nonfinite_fir
 
 * forward: the first node, in execution order, among those that saw non-finite values in the
   earliest call that saw any — its inputs were finite, so it is where the values went bad;
-* backward: gradients flow in reverse, so the *last* node in graph order whose output gradient
-  went non-finite is where it entered; the op whose backward produced it is that node's user.
+* backward: gradients flow in reverse, so among the nodes whose output gradient went non-finite
+  in the earliest such call, the *last* in graph order is where the bad gradient entered:
+  ``first_nonfinite_grad`` names it. The op whose backward computed that gradient is one of its
+  users (``nonfinite_grad_from`` lists them): e.g. ``sqrt`` at 0 has a finite output gradient
+  but sends Inf into its input, so the input's producer is reported and ``sqrt`` is among
+  ``nonfinite_grad_from``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from typing import Any, Sequence
 
 from torch.fx import GraphModule, Node
 
-from .meta import fx_meta, is_instrumentation, module_path, op_label
+from .meta import is_instrumentation, module_path, op_label
+from .observe import Observer
 
 __all__ = ["Report", "build_report"]
 
@@ -32,6 +37,7 @@ class Report:
     rows: list[dict[str, Any]]
     first_nonfinite: str | None = None
     first_nonfinite_grad: str | None = None
+    nonfinite_grad_from: list[str] = field(default_factory=list)
     auto_leaves: dict[str, str] = field(default_factory=dict)
     frontend: str = "symbolic"
     notes: list[str] = field(default_factory=list)
@@ -65,6 +71,7 @@ class Report:
             "calls": self.calls,
             "first_nonfinite": self.first_nonfinite,
             "first_nonfinite_grad": self.first_nonfinite_grad,
+            "nonfinite_grad_from": self.nonfinite_grad_from,
             "auto_leaves": self.auto_leaves,
             "notes": self.notes,
             "rows": self.rows,
@@ -129,8 +136,11 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
     order = {n.name: i for i, n in enumerate(nodes)}
     observers: dict[str, Any] = {}
     for n in nodes:
-        if n.op == "call_module" and fx_meta(n).get("role") == "instrumentation":
-            observers[fx_meta(n)["observes"]] = gm.get_submodule(str(n.target))
+        meta = n.meta.get("fxdebug", {})
+        if n.op == "call_module" and meta.get("role") == "instrumentation" and "observes" in meta:
+            mod = gm.get_submodule(str(n.target))
+            if isinstance(mod, Observer):
+                observers[meta["observes"]] = mod
     rows = []
     by_name = {n.name: n for n in nodes}
     if observers:
@@ -145,10 +155,12 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
             rows.append(row)
     else:
         rows = [_base_row(n) for n in nodes if n.op in ("call_module", "call_function", "call_method") and not is_instrumentation(n)]
+    entered = _backward_origin(rows)
     return Report(
         rows=rows,
         first_nonfinite=_forward_origin(rows),
-        first_nonfinite_grad=_backward_origin(rows, by_name, set(observers)),
+        first_nonfinite_grad=entered,
+        nonfinite_grad_from=_grad_producers(entered, by_name),
         auto_leaves=dict(auto_leaves or {}),
         frontend=frontend,
         notes=list(notes),
@@ -163,19 +175,17 @@ def _forward_origin(rows: list[dict[str, Any]]) -> str | None:
     return rows[min(seen)[1]]["node"]
 
 
-def _backward_origin(rows: list[dict[str, Any]], by_name: dict[str, Node], observed: set[str]) -> str | None:
+def _backward_origin(rows: list[dict[str, Any]]) -> str | None:
     seen = [(r[_GRAD_FIRST], i) for i, r in enumerate(rows) if r.get(_GRAD_FIRST) is not None]
     if not seen:
         return None
     earliest = min(c for c, _ in seen)
-    last = max(i for c, i in seen if c == earliest)
-    entered = rows[last]["node"]
-    node = by_name.get(entered)
+    return rows[max(i for c, i in seen if c == earliest)]["node"]
+
+
+def _grad_producers(entered: str | None, by_name: dict[str, Node]) -> list[str]:
+    """The users of ``entered``: one of their backward computations produced the bad gradient."""
+    node = by_name.get(entered) if entered is not None else None
     if node is None:
-        return entered
-    users = [u for u in node.users if not is_instrumentation(u) and u.op != "output"]
-    # The op whose backward produced the value is a user of `entered`; prefer an observed one.
-    for u in users:
-        if u.name in observed:
-            return u.name
-    return users[0].name if users else entered
+        return []
+    return [u.name for u in node.users if not is_instrumentation(u) and u.op != "output"]

@@ -1,0 +1,124 @@
+"""``Capture``: keep the activation (and gradient) of chosen nodes from the last call.
+
+The graph-level form of the forward-hook + backward-hook pair every Grad-CAM tutorial writes::
+
+    cap = Capture(["layer2"], grads=True)
+    dbg = fxdebug.instrument(model, [cap], example_inputs=(x,))
+    dbg(x)[0, cls].backward()
+    a, g = cap["layer2"], cap.grad("layer2")
+
+A name selects a node by its name, or a module by its path — then the module's *output*: the
+last node inside it, in graph order (for a leaf module, its call). Globs select every matching
+node. Captured tensors are detached references (no copy), unless an in-place op later writes
+into the node's output; then they are cloned so they keep what the node produced.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Sequence
+
+from torch import Tensor
+from torch.fx import GraphModule, Node
+
+import fxdebug
+from fxdebug import ObservationContext, Observer, PassContext, PassResult, Probe, Reductions, UsageError
+
+__all__ = ["Capture"]
+
+
+class CaptureProbe(Probe):
+    """Keeps the last value seen (forward) and, with ``grads``, the last gradient."""
+
+    key = "capture"
+
+    def __init__(self, *, grads: bool, clone: bool) -> None:
+        self.grads = grads
+        self.clone = clone
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        state["value"] = r.x.clone() if self.clone and ctx.phase == "forward" else r.x
+
+    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
+        value = state.get("value")
+        return {"captured": tuple(value.shape)} if isinstance(value, Tensor) else {}
+
+
+class Capture(fxdebug.Pass):
+    """Keep the last activation (and with ``grads=True`` gradient) of the chosen nodes.
+
+    Args:
+        nodes: node names, module paths (their output node) or globs over node names.
+        grads: also keep the gradient w.r.t. each chosen node's output.
+        clone: ``None`` clones only where an in-place op follows the node; True / False force it.
+    """
+
+    name = "capture"
+    observe_only = True
+
+    def __init__(self, nodes: str | Sequence[str], grads: bool = False, *, clone: bool | None = None) -> None:
+        super().__init__(where=None)
+        self.nodes = [nodes] if isinstance(nodes, str) else list(nodes)
+        self.grads, self.clone = grads, clone
+        self._observers: dict[str, tuple[str, Observer]] = {}
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        own = ctx.nodes(gm, tensor_outputs=True, ops=("placeholder", "call_module", "call_function", "call_method"))
+        added = []
+        self._observers = {}
+        for request in self.nodes:
+            hits = _select(own, request)
+            if not hits:
+                known = ", ".join(n.name for n in own[:12])
+                raise UsageError(f"Capture: {request!r} matches no tensor-valued node or module; nodes include {known}.")
+            for node in hits:
+                clone = self.clone if self.clone is not None else any(fxdebug.is_inplace(u, gm) for u in node.users)
+                obs_node = ctx.observe(node, CaptureProbe(grads=self.grads, clone=clone))
+                if obs_node is not None:
+                    added.append(obs_node)
+                key = request if len(hits) == 1 else node.name
+                self._observers[key] = (node.name, _observer_of(gm, node))
+        return PassResult(gm, added=added)
+
+    # -- reading --------------------------------------------------------------------------------
+    def _get(self, name: str, phase: str) -> Tensor | None:
+        if name not in self._observers:
+            raise KeyError(f"Capture holds no node {name!r}; it holds {sorted(self._observers)}.")
+        _, observer = self._observers[name]
+        return observer.states.get(("capture", phase), {}).get("value")
+
+    def __getitem__(self, name: str) -> Tensor | None:
+        """The last activation of ``name`` (``None`` before the first call)."""
+        return self._get(name, "forward")
+
+    def grad(self, name: str) -> Tensor | None:
+        """The last gradient w.r.t. ``name``'s output (needs ``grads=True`` and a backward)."""
+        return self._get(name, "grad")
+
+    @property
+    def activations(self) -> dict[str, Tensor | None]:
+        return {k: self[k] for k in self._observers}
+
+    @property
+    def gradients(self) -> dict[str, Tensor | None]:
+        return {k: self.grad(k) for k in self._observers}
+
+
+def _select(nodes: list[Node], request: str) -> list[Node]:
+    exact = [n for n in nodes if n.name == request]
+    if exact:
+        return exact
+    inside = [n for n in nodes if n.op != "placeholder" and
+              (fxdebug.module_path(n) == request or fxdebug.module_path(n).startswith(request + "."))]
+    if inside:
+        return inside[-1:]
+    return [n for n in nodes if fnmatch.fnmatchcase(n.name, request)]
+
+
+def _observer_of(gm: GraphModule, node: Node) -> Observer:
+    for user in node.users:
+        if fxdebug.fx_meta(user).get("observes") == node.name and user.op == "call_module":
+            module = gm.get_submodule(str(user.target))
+            if isinstance(module, Observer):
+                return module
+    raise UsageError(f"Capture: no observer found on node '{node.name}'.")  # pragma: no cover - ctx.observe made one

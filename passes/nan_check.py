@@ -1,0 +1,183 @@
+"""``NaNCheck``: where did the NaN (or Inf) come from — forward and, optionally, backward.
+
+``mode="record"`` (the default) never synchronises with the host. Per call and node a probe only
+*keeps references* to two reductions every node's observer already computes (the min, and the
+max or per-channel max: NaN propagates through both, +/-Inf shows in one) plus the call's
+timestamp from the graph clock; every 64 calls, and when the report is read, it folds them into
+"how many calls saw non-finite values" and "the earliest call that did" with a handful of tensor
+ops. The report turns those per-node facts into the origin: the first node, in execution order,
+among those that went non-finite in the earliest such call — its inputs were finite.
+
+``mode="raise"`` stops at the first node whose output holds NaN/Inf and names it, with exact
+counts and its inputs' ranges. It syncs once per node and call: the one documented exception to
+"no host sync".
+
+Exact NaN/Inf element counts cost two extra passes per node and call, so record mode keeps them
+only with ``counts=True``; raise mode always computes them (once, when it raises).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule, Node
+
+import fxdebug
+from fxdebug import NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
+
+__all__ = ["NaNCheck"]
+
+_FOLD_EVERY = 64
+_NEVER = torch.iinfo(torch.int64).max
+_OPS = ("placeholder", "call_module", "call_function", "call_method")
+
+
+def read(t: Any) -> Any:
+    """A Python number for a 0-d tensor; ``None`` on the meta device (nothing to read there)."""
+    if isinstance(t, Tensor):
+        return None if t.device.type == "meta" else t.item()
+    return t
+
+
+class NonFiniteProbe(Probe):
+    """Record-mode probe: per call keeps ``(clock, min, max)`` references; folds them in batches."""
+
+    key = "nan-check"
+
+    def __init__(self, *, grads: bool = False, counts: bool = False) -> None:
+        self.grads = grads
+        self.counts = counts
+
+    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        state: dict[str, Any] = {"pending": [], "bad": zero, "first": torch.full_like(zero, _NEVER)}
+        if self.counts:
+            state["nan"], state["inf"] = zero.clone(), zero.clone()
+        return state
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        lo, hi = r.extremes()
+        clock = ctx.clock if ctx.clock is not None else torch.full((), ctx.call, dtype=torch.int64, device=lo.device)
+        state["pending"].append((clock, lo, hi))
+        if self.counts:
+            state["nan"].add_(r["nan"])
+            state["inf"].add_(r["inf"])
+        if len(state["pending"]) >= _FOLD_EVERY:
+            self.fold(state)
+
+    @staticmethod
+    def fold(state: dict[str, Any]) -> None:
+        """Turn pending ``(clock, min, max)`` triples into the running counters (tensor ops only)."""
+        pending = state["pending"]
+        if not pending:
+            return
+        clocks = torch.stack([c for c, _, _ in pending])
+        lows = torch.stack([lo for _, lo, _ in pending])
+        highs = [hi.reshape(-1) for _, _, hi in pending]
+        if len({h.numel() for h in highs}) == 1:
+            hi_ok = torch.isfinite(torch.stack(highs)).all(dim=1)
+        else:  # the channel count changed between calls: rare, fold one by one
+            hi_ok = torch.stack([torch.isfinite(h).all() for h in highs])
+        bad = ~(torch.isfinite(lows) & hi_ok)
+        state["bad"] = state["bad"] + bad.sum()
+        first = torch.where(bad, clocks, torch.full_like(clocks, _NEVER)).amin()
+        state["first"] = torch.minimum(state["first"], first)
+        pending.clear()
+
+    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
+        self.fold(state)
+        first = read(state["first"])
+        out = {"nonfinite_calls": read(state["bad"]), "nonfinite_first_call": None if first in (None, _NEVER) else first}
+        if self.counts:
+            out["nan"], out["inf"] = read(state["nan"]), read(state["inf"])
+        return out
+
+
+class RaisingProbe(NonFiniteProbe):
+    """Raise-mode probe: checks every call on the host and raises ``NonFiniteError`` at once."""
+
+    wants_inputs = True
+
+    def __init__(self, *, grads: bool, counts: bool, node: Node, inputs: list[str], module: Any) -> None:
+        super().__init__(grads=grads, counts=counts)
+        self.describe = fxdebug.describe(node)
+        self.node_name, self.module, self.op = node.name, fxdebug.module_path(node), fxdebug.op_label(node)
+        self.where = fxdebug.source_line(node)
+        self.users = [u.name for u in node.users if not fxdebug.is_instrumentation(u) and u.op != "output"]
+        self.input_names = inputs
+        self.owner = module  # the node's module (not registered as a child): its weights may be the culprit
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        super().update(state, r, ctx)
+        lo, hi = r.extremes()
+        if lo.device.type == "meta" or bool(torch.isfinite(lo) & torch.isfinite(hi).all()):  # the documented sync
+            return
+        raise NonFiniteError(self._message(r, ctx), node=self.node_name, module=self.module, op=self.op)
+
+    def _message(self, r: Reductions, ctx: ObservationContext) -> str:
+        x = r.x
+        nan, inf = int(torch.isnan(x).sum()), int(torch.isinf(x).sum())
+        counts = f"{nan} NaN and {inf} Inf of {x.numel()} values"
+        at = f" Defined at {self.where}." if self.where else ""
+        if ctx.phase == "grad":
+            users = ", ".join(f"'{u}'" for u in self.users) or "the loss"
+            return (f"NaNCheck: the gradient flowing back into the output of {self.describe} holds {counts} "
+                    f"(forward call {ctx.call}). It was produced by the backward of its user(s) {users}: check their "
+                    f"domain (sqrt/log/pow near 0, division by small values) or clip the gradient.{at}")
+        parts, all_finite = [], True
+        for name, t in zip(self.input_names, ctx.inputs):
+            if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
+                finite = bool(torch.isfinite(t).all())
+                all_finite &= finite
+                parts.append(f"'{name}' {tuple(t.shape)}: min {float(t.min()):.4g}, max {float(t.max()):.4g}"
+                             + ("" if finite else " (already non-finite)"))
+        params = self.owner.named_parameters() if self.owner is not None else ()
+        bad_params = [f"{self.module}.{n}" for n, p in params if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+        inputs = "; ".join(parts) if parts else "no floating-point tensor inputs"
+        if bad_params:
+            cause = f"Its parameter(s) {', '.join(bad_params)} are not finite: the weights went bad (learning rate, a bad checkpoint)."
+        elif all_finite:
+            cause = ("Its inputs were finite, so this op made them: check its domain (log/sqrt of negatives, division "
+                     "by zero, exp overflow, float16 range).")
+        else:
+            cause = "Its inputs were already non-finite; they come from a node NaNCheck does not watch (widen where=)."
+        return (f"NaNCheck: {self.describe} produced {counts} in forward call {ctx.call}. Inputs: {inputs}. "
+                f"{cause}{at}")
+
+
+class NaNCheck(fxdebug.Pass):
+    """Find the node where NaN/Inf first appear, forward (and backward with ``backward=True``).
+
+    Args:
+        mode: ``"record"`` (no host sync; read ``report().first_nonfinite``) or ``"raise"``
+            (``NonFiniteError`` at the first non-finite node; syncs per node).
+        backward: also watch the gradient flowing into every node's output
+            (``report().first_nonfinite_grad``): a cheap, precise alternative to
+            ``torch.autograd.detect_anomaly``.
+        counts: in record mode, also count NaN and Inf elements (two extra passes per node).
+        where: limit the watched nodes (globs over module paths / node names, or a predicate).
+    """
+
+    name = "nan-check"
+    observe_only = True
+
+    def __init__(self, mode: str = "record", backward: bool = False, *, counts: bool = False, where: Where = None) -> None:
+        super().__init__(where=where)
+        if mode not in ("record", "raise"):
+            raise UsageError(f"NaNCheck(mode={mode!r}): mode is 'record' (no host sync) or 'raise' (stop at the first NaN/Inf).")
+        self.mode, self.backward, self.counts = mode, backward, counts
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        added = []
+        for node in ctx.nodes(gm, self.where, ops=_OPS, float_outputs=True):
+            added.append(ctx.observe(node, self._probe(gm, node)))
+        return PassResult(gm, added=[a for a in added if a is not None])
+
+    def _probe(self, gm: GraphModule, node: Node) -> Probe:
+        if self.mode == "record":
+            return NonFiniteProbe(grads=self.backward, counts=self.counts)
+        inputs = [a.name for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)]
+        return RaisingProbe(grads=self.backward, counts=self.counts, node=node, inputs=inputs,
+                            module=fxdebug.get_module(gm, node))
