@@ -184,10 +184,10 @@ def node_label(v: VisNode) -> list[str]:
         lines.append(f"NaN/Inf grad in {s['grad_nonfinite_calls']} call(s)")
     if v.failed:
         lines.append("FAILED check")
-    if v.added_by:
-        lines.append(f"+ added by {v.added_by}")
     if v.changed_by:
         lines.append(f"~ changed by {', '.join(v.changed_by)}")
+    elif v.added_by:
+        lines.append(f"+ added by {v.added_by}")
     if v.auto_leaf:
         lines.append("auto-leaf (not traced inside)")
     return lines
@@ -265,10 +265,10 @@ def node_style(v: VisNode) -> dict[str, str]:
     }
     if v.origin or v.grad_origin or v.failed:
         attrs["penwidth"] = "3"
-    if v.added_by:
-        attrs["color"], attrs["penwidth"] = COLORS["added"], "2.5"
-    elif v.changed_by:
+    if v.changed_by:  # a replacement is also new to the graph; "changed" is what it means to a user
         attrs["color"], attrs["penwidth"] = COLORS["changed"], "2.5"
+    elif v.added_by:
+        attrs["color"], attrs["penwidth"] = COLORS["added"], "2.5"
     elif v.auto_leaf:
         attrs["color"], attrs["penwidth"] = COLORS["auto_leaf"], "2.5"
         attrs["style"] += ",dashed"
@@ -297,7 +297,7 @@ def used_highlights(view: GraphView) -> list[str]:
     for v in view.nodes.values():
         present.update(k for k, on in (
             ("origin", v.origin or v.grad_origin), ("nonfinite", v.nonfinite), ("failed", bool(v.failed)),
-            ("dead", v.dead), ("added", bool(v.added_by)), ("changed", bool(v.changed_by)),
+            ("dead", v.dead), ("added", bool(v.added_by) and not v.changed_by), ("changed", bool(v.changed_by)),
             ("auto_leaf", bool(v.auto_leaf)), ("instrumentation", v.role in ("instrumentation", "clock"))) if on)
     return [k for k, _, _ in _LEGEND if k in present]
 

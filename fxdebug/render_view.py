@@ -148,8 +148,8 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
     view_nodes: dict[str, VisNode] = {}
     for n in nodes:
         meta = n.meta.get("fxdebug", {})
-        if n.name in alias:
-            owner = view_nodes.get(alias[n.name])
+        if not show_instrumentation and is_instrumentation(n):
+            owner = view_nodes.get(alias.get(n.name, ""))
             if owner is not None:
                 owner.probes.extend(p for p in meta.get("probes", ()) if p not in owner.probes)
                 if meta.get("role") == "instrumentation" and not meta.get("probes"):
@@ -174,7 +174,7 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
         inputs: list[str] = []
         for a in n.all_input_nodes:
             src = alias.get(a.name, a.name)
-            if src != n.name and src not in inputs:
+            if src != n.name and src in view_nodes and src not in inputs:
                 inputs.append(src)
         vis.inputs = inputs
         view_nodes[n.name] = vis
