@@ -335,6 +335,9 @@ def trace(
     """
     _check_model(model, "trace")
     if isinstance(model, Instrumented):
+        if hasattr(model, "instrument_parts"):
+            raise UsageError("a model captured per subtree cannot be traced again; call fxdebug.instrument on the "
+                             "original model with all the passes you want.")
         return _copy_instrumented(model)
     if frontend not in _FRONTENDS:
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_FRONTENDS)}.")
@@ -387,7 +390,12 @@ def _trace_subtrees(model: nn.Module, inputs: Any, leaf_modules: Sequence[str | 
 
 def _copy_instrumented(gm: Instrumented) -> Instrumented:
     """A new Instrumented over the same model objects, with its own copy of fxdebug's modules."""
-    graph = copy.deepcopy(gm.graph)
+    with warnings.catch_warnings():  # torch's own deepcopy of an export graph's pytree spec warns
+        warnings.simplefilter("ignore", FutureWarning)
+        graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:  # Graph.__deepcopy__ copies node.meta shallowly: own fxdebug's dicts
+        if "fxdebug" in node.meta:
+            node.meta["fxdebug"] = copy.deepcopy(node.meta["fxdebug"])
     res = Instrumented(gm, graph, class_name=gm.meta.get("fxdebug", {}).get("model_type", "GraphModule"))
     _adopt_hierarchy(res, gm)
     if NAMESPACE in gm._modules:
@@ -420,6 +428,11 @@ def instrument(
         prior = model.report()
     start = time.perf_counter()
     gm = trace(model, example_inputs, **trace_options)
+    instrument_parts = getattr(gm, "instrument_parts", None)
+    if instrument_parts is not None:  # frontend "subtrees": the passes run on each captured part
+        gm = instrument_parts(pass_list, prior)
+        gm.meta.setdefault("fxdebug", {})["instrument_seconds"] = time.perf_counter() - start
+        return gm
     ctx = PassContext(example_inputs, prior_report=prior)
     if ctx.inputs is not None:
         ctx.specs(gm)  # validates the example inputs against the model, naming the failing node

@@ -47,7 +47,7 @@ class LeafInfo:
 
 @dataclass
 class TraceInfo:
-    """How a model was captured: which frontend, what became a leaf, how long it took."""
+    """How a model was captured: which frontend, what became a leaf, how long it took, coverage."""
 
     frontend: str = "symbolic"
     auto_leaves: dict[str, LeafInfo] = field(default_factory=dict)
@@ -55,6 +55,11 @@ class TraceInfo:
     concrete_args: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # frontend "subtrees": fractions of parameters / executed aten ops under instrumentation,
+    # {module path: why it stayed eager} ("" is the root), {module path: frontend that captured it}
+    coverage: dict[str, float] = field(default_factory=dict)
+    eager_modules: dict[str, str] = field(default_factory=dict)
+    captured: dict[str, str] = field(default_factory=dict)
 
 
 def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:

@@ -18,7 +18,9 @@ rebuilds the model's own output structure (tuples, dicts, ``ModelOutput``s, data
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import inspect
 import re
 import time
@@ -90,7 +92,8 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
     registered: set[str] = set()
     while True:
         try:
-            return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
+            with contextlib.redirect_stderr(io.StringIO()):  # torch prints the partial graph on failure
+                return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
         except Exception as exc:
             match = _UNKNOWN_TYPE.search(str(exc))
             cls = _find_class(match.group(1)) if match else None
