@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from .errors import UsageError
+from .ops import is_relu
+from .render_view import DEAD_HOTSPOT
 from .table import format_value
 
 __all__ = ["CliError", "Progress", "findings", "load_data", "load_target", "parse_shape", "random_inputs"]
@@ -171,7 +173,7 @@ class Progress:
 
 
 def findings(report: Any, gm: Any = None) -> list[str]:
-    """Sentences for what deserves attention in ``report``: NaN/Inf origin, dead channels."""
+    """Sentences for what deserves attention in ``report``: NaN/Inf origin, dead ReLU channels."""
     out = []
     rows = {r["node"]: r for r in report.rows}
     for label, origin in (("forward", report.first_nonfinite), ("backward", report.first_nonfinite_grad)):
@@ -186,12 +188,21 @@ def findings(report: Any, gm: Any = None) -> list[str]:
     bad = [r["node"] for r in report.rows if r.get("nonfinite_calls")]
     if bad:
         out.append(f"{len(bad)} node(s) saw NaN/Inf: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}.")
+    relus = _relu_names(gm)
     for r in report.rows:
         dead = r.get("dead_frac")
-        if isinstance(dead, (int, float)) and dead >= 0.5:
+        is_relu = r["node"] in relus if relus is not None else "relu" in str(r.get("op", "")).lower()
+        if is_relu and isinstance(dead, (int, float)) and dead >= DEAD_HOTSPOT:
             out.append(f"dead channels: node '{r['node']}' (module {r.get('module') or '<root>'}, {r.get('op')}): "
                        f"{100 * dead:.0f}% of channels never positive.")
     return out
+
+
+def _relu_names(gm: Any) -> set[str] | None:
+    """Names of the ReLU nodes of ``gm`` (where a dead fraction means dead units), if known."""
+    if gm is None:
+        return None
+    return {n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method") and is_relu(n)}
 
 
 def _input_rows(gm: Any, name: str, rows: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:

@@ -170,8 +170,9 @@ def node_label(v: VisNode) -> list[str]:
         lines.append(f"mean {format_value(s.get('mean'))}  std {format_value(s.get('std'))}")
     if "min" in s or "max" in s:
         lines.append(f"min {format_value(s.get('min'))}  max {format_value(s.get('max'))}")
-    fracs = [f"{name} {_pct(s[key])}" for key, name in (("zero_frac", "zero"), ("dead_frac", "dead")) if
-             isinstance(s.get(key), (int, float))]
+    fracs = [f"zero {_pct(s['zero_frac'])}"] if isinstance(s.get("zero_frac"), (int, float)) else []
+    if v.dead_frac is not None:
+        fracs.append(f"dead {_pct(v.dead_frac)}")
     if fracs:
         lines.append("  ".join(fracs))
     if v.origin:
@@ -265,6 +266,8 @@ def node_style(v: VisNode) -> dict[str, str]:
     }
     if v.origin or v.grad_origin or v.failed:
         attrs["penwidth"] = "3"
+    if attrs["fillcolor"] == COLORS["origin"]:
+        attrs["fontcolor"] = "white"
     if v.changed_by:  # a replacement is also new to the graph; "changed" is what it means to a user
         attrs["color"], attrs["penwidth"] = COLORS["changed"], "2.5"
     elif v.added_by:

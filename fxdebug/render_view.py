@@ -20,11 +20,14 @@ from typing import Any
 from torch.fx import GraphModule, Node
 
 from .meta import fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
+from .ops import is_relu
 
 __all__ = ["DEAD_HOTSPOT", "GraphView", "VisNode", "build_view"]
 
 DEAD_HOTSPOT = 0.5
-"""A node whose dead-channel fraction reaches this is a dead-ReLU hot spot (greyed)."""
+"""A ReLU whose dead-channel fraction reaches this is a dead-ReLU hot spot (greyed). Other ops'
+dead fractions (a conv's negative channels, a pooled copy of a dead ReLU) follow from the ReLU's
+and are not highlighted, so the picture points at the unit to fix."""
 
 # Row keys that describe the node rather than measure it.
 BASE_KEYS = ("node", "module", "op", "shape", "dtype", "device", "added_by", "changed_by", "auto_leaf")
@@ -55,6 +58,7 @@ class VisNode:
     notes: list[str] = field(default_factory=list)
     origin: bool = False
     grad_origin: bool = False
+    activation: bool = False  # a ReLU in any form: where a dead-channel fraction means dead units
 
     @property
     def nonfinite(self) -> bool:
@@ -64,8 +68,9 @@ class VisNode:
 
     @property
     def dead_frac(self) -> float | None:
+        """The dead-channel fraction of a ReLU's output (other ops' fractions stay in the tooltip)."""
         v = self.stats.get("dead_frac")
-        return float(v) if isinstance(v, (int, float)) and not math.isnan(v) else None
+        return float(v) if self.activation and isinstance(v, (int, float)) and not math.isnan(v) else None
 
     @property
     def dead(self) -> bool:
@@ -165,6 +170,7 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
             added_by=meta.get("added_by"), changed_by=list(meta.get("changed_by", [])),
             auto_leaf=meta.get("auto_leaf"), role=meta.get("role"), source=source_line(n),
             notes=[str(x) for x in meta.get("notes", [])],
+            activation=n.op in ("call_module", "call_function", "call_method") and is_relu(n),
         )
         if isinstance(meta.get("replaced"), str):
             vis.notes.append(f"replaces {meta['replaced']}")
