@@ -160,7 +160,7 @@ class _Builder:
         if out is None or not isinstance(parts, (list, tuple)):
             return None
         dim = dim % len(out)
-        infos = [self.keep(node, p) if isinstance(p, Node) and len(self.shape(p) or ()) == len(out) else None for p in parts]
+        infos = [self.info.get(p) if isinstance(p, Node) and len(self.shape(p) or ()) == len(out) else None for p in parts]
         axis = next((i[0] for i in infos if i is not None), None)
         if axis is None:
             return None
