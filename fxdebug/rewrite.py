@@ -242,10 +242,13 @@ def replace_pattern(
     replacement for one match, or ``None`` to leave that match alone. New modules are registered
     with ``ctx.add_module``; metadata and provenance go through ``ctx.copy_meta``. The caller
     (normally a pass run by the ``PassManager``) reports the returned replacements in its
-    ``PassResult``; the manager lints and recompiles.
+    ``PassResult``; the manager lints and recompiles. Without ``where``, a given ``ctx`` limits
+    the matches to the running pass's ``where=`` option.
     """
     if (replacement is None) == (build is None):
         raise UsageError("replace_pattern needs exactly one of replacement= or build=.")
+    if where is None and ctx is not None:
+        where = getattr(ctx, "where", None)
     ctx = ctx if ctx is not None else PassContext()
     done: list[Replacement] = []
     for match in find_pattern(gm, pattern, where=where):
