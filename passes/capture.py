@@ -72,7 +72,7 @@ class Capture(fxdebug.Pass):
                 known = ", ".join(n.name for n in own[:12])
                 raise UsageError(f"Capture: {request!r} matches no tensor-valued node or module; nodes include {known}.")
             for node in hits:
-                clone = self.clone if self.clone is not None else any(fxdebug.is_inplace(u, gm) for u in node.users)
+                clone = self.clone if self.clone is not None else _written_later(gm, node)
                 obs_node = ctx.observe(node, CaptureProbe(grads=self.grads, clone=clone))
                 if obs_node is not None:
                     added.append(obs_node)
@@ -113,6 +113,21 @@ def _select(nodes: list[Node], request: str) -> list[Node]:
     if inside:
         return inside[-1:]
     return [n for n in nodes if fnmatch.fnmatchcase(n.name, request)]
+
+
+def _written_later(gm: GraphModule, node: Node) -> bool:
+    """True if an in-place op after ``node`` writes into the tensor ``node`` produced.
+
+    In-place ops return (and FX keeps reading) their first input, so ``h.relu_()`` followed by
+    ``fc2(h)`` mutates ``h`` behind the graph's back: follow such chains to the tensor's origin.
+    """
+    root: dict[Node, Node] = {}
+    for n in gm.graph.nodes:
+        first = n.args[0] if n.args and isinstance(n.args[0], Node) else None
+        root[n] = root.get(first, first) if first is not None and fxdebug.is_inplace(n, gm) else n
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mine = root[node]
+    return any(fxdebug.is_inplace(m, gm) and root[m] is mine and order[m] > order[node] for m in gm.graph.nodes)
 
 
 def _observer_of(gm: GraphModule, node: Node) -> Observer:
