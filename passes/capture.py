@@ -76,7 +76,7 @@ class Capture(fxdebug.Pass):
                 obs_node = ctx.observe(node, CaptureProbe(grads=self.grads, clone=clone))
                 if obs_node is not None:
                     added.append(obs_node)
-                key = request if len(hits) == 1 else node.name
+                key = node.name if any(c in request for c in "*?[") else request
                 self._observers[key] = (node.name, _observer_of(gm, node))
         return PassResult(gm, added=added)
 
