@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
 from typing import Any, Sequence, TextIO
 
@@ -31,11 +32,8 @@ class CliError(UsageError):
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"1,3,224,224"`` (or ``1x3x224x224``) → ``(1, 3, 224, 224)``."""
-    parts = [p for p in text.replace("x", ",").replace(" ", "").split(",") if p]
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        shape = ()
+    parts = re.split(r"[,x]", text.replace(" ", ""))
+    shape = tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else ()
     if not shape or any(d <= 0 for d in shape):
         raise CliError(f"--input {text!r} is not a shape: write positive sizes separated by commas, e.g. 1,3,224,224.")
     return shape
