@@ -67,7 +67,9 @@ def interleaved(fns: dict[str, Fn], runs: int, warmup: int, sync: Fn) -> dict[st
             fns[n]()
             sync()
             times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(v) for n, v in times.items()}
+    spread = {f"{n}:spread": (statistics.quantiles(v, n=4)[2] - statistics.quantiles(v, n=4)[0]) / statistics.median(v)
+              for n, v in times.items() if len(v) >= 4}
+    return {**{n: statistics.median(v) for n, v in times.items()}, **spread}
 
 
 def _no_grad(m: nn.Module, x: tuple[Any, ...]) -> Fn:
@@ -118,8 +120,9 @@ class Bench:
             fns["fxdebug"] = _no_grad(self.inst, x)
         med = interleaved(fns, a.runs, a.warmup, self.sync)
         self.row["plain_ms"] = med["plain"] * 1e3
-        for k, v in med.items():
-            self.row[k] = v / med["plain"]
+        for k in fns:
+            self.row[k] = med[k] / med["plain"]
+        self.row["spread"] = med.get("plain:spread")
         if "fxdebug" in med:
             self.row["fxdebug_vs_limit"] = med["fxdebug"] / med["limit"]
             self.row["fxdebug_vs_hooks_item"] = med["fxdebug"] / med["hooks_item"]
@@ -155,6 +158,7 @@ class Bench:
         self.row["breaks_fxdebug"] = count_graph_breaks(self.inst, self.x)
         torch._dynamo.reset()
         fns: dict[str, Fn] = {}
+        graphs = torch._dynamo.utils.counters["stats"]
         for key, mod in (("plain", self.model), ("fxdebug", self.inst)):
             fn = _no_grad(torch.compile(mod), self.x)
             self.sync()
@@ -162,6 +166,11 @@ class Bench:
             fn()
             self.sync()
             self.row[f"compile_s_{key}"] = time.perf_counter() - t0
+            before = graphs["unique_graphs"]
+            fn()
+            if graphs["unique_graphs"] > before:  # guards fail on every call: timing it would time compiles
+                self.row["compiled_ratio"] = "recompiles every call (see TORCH_LOGS=recompiles)"
+                return
             fns[key] = fn
         med = interleaved(fns, self.args.runs, self.args.warmup, self.sync)
         self.row["compiled_plain_ms"] = med["plain"] * 1e3
@@ -248,10 +257,10 @@ def render_markdown(rows: list[dict[str, Any]], scale: dict[str, Any], args: arg
         out += ["**NaNCheck/StatCollector are not importable: variants 4–6 are missing.**", ""]
     out += ["## Eager forward (ratio to plain)", "", _table(
         ["model", "nodes", "plain ms", "2 hooks .item()", "3 hooks buffers", "4 fxdebug", "7 one-pass limit",
-         "4 / 7", "4 / 2"],
+         "4 / 7", "4 / 2", "plain IQR/median"],
         [[r["model"], _f(r.get("nodes"), "{}"), _f(r.get("plain_ms"), "{:.1f}"), _f(r.get("hooks_item")),
           _f(r.get("hooks_buffer")), _f(r.get("fxdebug")), _f(r.get("limit")), _f(r.get("fxdebug_vs_limit")),
-          _f(r.get("fxdebug_vs_hooks_item"))] for r in rows]), ""]
+          _f(r.get("fxdebug_vs_hooks_item")), _f(r.get("spread"))] for r in rows]), ""]
     if any("fxdebug_fb" in r for r in rows):
         out += ["## Forward + backward, grads=True (ratio to plain forward + backward)", "", _table(
             ["model", "plain fwd+bwd ms", "5 fxdebug grads", "nodes with grad stats"],
