@@ -132,3 +132,15 @@ def test_zoo_outputs_unchanged_in_eval(name):
     dbg = fxdebug.instrument(model, [Fuse()], example_inputs=inputs)
     with torch.no_grad():
         torch.testing.assert_close(dbg(*inputs), model(*inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_transforms_doc_example_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "transforms.md").read_text()
+    block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
+    ns: dict = {}
+    exec(compile(block.replace("print(", "_ = ("), "transforms.md", "exec"), ns)
+    assert ns["dbg"].pass_results[0].notes[0].startswith("fused Conv2d (stem_0) + BatchNorm2d (stem_1)")
+    assert abs(ns["sparsity"](ns["dbg"])["global"] - 0.3) < 1e-3
