@@ -1,0 +1,77 @@
+"""DeviceCheck: mixed devices are named before the op runs (cpu vs meta here; cuda where present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxdebug
+from fxdebug.passes import DeviceCheck
+from zoo import ZOO
+
+
+def test_model_on_one_device_input_on_another():
+    model, inputs = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [DeviceCheck()], example_inputs=inputs)
+    torch.testing.assert_close(dbg(*inputs), model(*inputs))
+    with pytest.raises(fxdebug.DeviceMismatchError) as info:
+        dbg(inputs[0].to("meta"))
+    err = info.value
+    assert (err.node, err.module, err.op) == ("stem_0", "stem.0", "Conv2d")
+    msg = str(err)
+    assert "input 'x' (2, 3, 16, 16) on meta" in msg and "parameters stem.0.weight on cpu" in msg
+    assert "Move the inputs to cpu" in msg and "zoo.py:" in msg
+    assert err.__cause__ is None  # raised before torch ran the op
+
+
+class MakesCpuBuffer(nn.Module):
+    """Scenario 3: a tensor created inside forward without device=."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        bias = torch.ones(x.shape[-1])  # lands on the default device (cpu), whatever x's is
+        return h + bias
+
+
+def test_tensor_created_on_cpu_inside_forward():
+    model = MakesCpuBuffer()
+    dbg = fxdebug.instrument(model, [DeviceCheck()], example_inputs=(torch.randn(2, 4),))
+    model.to("meta")
+    with pytest.raises(fxdebug.DeviceMismatchError, match=r"node 'add' .*input 'fc' \(2, 4\) on meta; input 'ones' \(4,\) on cpu"):
+        dbg(torch.randn(2, 4, device="meta"))
+
+
+def test_guards_only_where_devices_could_mix_and_where():
+    model, inputs = ZOO["functional_ops"]()
+    dbg = fxdebug.instrument(model, [DeviceCheck()], example_inputs=inputs)
+    guarded = {fxdebug.fx_meta(n)["observes"] for n in dbg.graph.nodes
+               if n.op == "call_function" and fxdebug.fx_meta(n).get("probes") == ["device-check"]}
+    assert guarded == {"conv", "cat", "fc"}  # one tensor input and no parameters cannot mix devices
+    dbg.graph.lint()
+    only = fxdebug.instrument(model, [DeviceCheck(where="fc")], example_inputs=inputs)
+    assert {fxdebug.fx_meta(n).get("observes") for n in only.graph.nodes if fxdebug.is_instrumentation(n)} == {"fc"}
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_runs_unchanged_on_cpu_and_meta(name):
+    model, inputs = ZOO[name]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [DeviceCheck()], example_inputs=inputs)
+    torch.testing.assert_close(dbg(*inputs), model(*inputs))
+    if name != "control_flow":
+        meta_inputs = tuple(t.to("meta") for t in inputs)
+        dbg.to("meta")
+        dbg(*meta_inputs)
+
+
+@pytest.mark.cuda
+def test_cuda_model_cpu_input():
+    model, inputs = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model.cuda(), [DeviceCheck()], example_inputs=tuple(t.cuda() for t in inputs))
+    with pytest.raises(fxdebug.DeviceMismatchError, match=r"input 'x' \(2, 3, 16, 16\) on cpu.*on cuda:0"):
+        dbg(*inputs)
