@@ -21,10 +21,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import inspect
 import re
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -92,7 +93,8 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
     registered: set[str] = set()
     while True:
         try:
-            with contextlib.redirect_stderr(io.StringIO()):  # torch prints the partial graph on failure
+            with contextlib.redirect_stderr(io.StringIO()), _quiet("torch.fx.experimental.symbolic_shapes"):
+                # on failure torch prints the partial graph and logs guard warnings; our error says it
                 return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
         except Exception as exc:
             match = _UNKNOWN_TYPE.search(str(exc))
@@ -103,6 +105,17 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dyn
             registered.add(match.group(1))
             notes.append(f"registered the output dataclass {cls.__qualname__} with torch's pytree so "
                          "the graph can rebuild it")
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _find_class(qualname: str) -> type | None:
