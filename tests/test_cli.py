@@ -138,3 +138,17 @@ def test_bad_input_shape_and_missing_input(targets, tmp_path, capsys):
     assert "is not a shape" in capsys.readouterr().err
     assert main(["check", f"{targets}:net"]) == 2
     assert "--input" in capsys.readouterr().err
+
+
+def test_check_highlights_a_check_that_fails_mid_run(targets, tmp_path, capsys):
+    torch.save([torch.randn(2, 4), torch.randn(2, 5)], tmp_path / "batches.pt")  # the second one is too wide
+    code = main(["check", f"{targets}:net", "--data", str(tmp_path / "batches.pt"), "--json", str(tmp_path / "r.json"),
+                 "-o", str(tmp_path / "c.svg")])
+    assert code == 1
+    captured = capsys.readouterr()
+    # ShapeAssert stops it at the graph input, before the Linear sees it.
+    assert "batch 2 failed a check" in captured.err and "node 'x'" in captured.err and "expected (N, 4)" in captured.err
+    failed = json.loads((tmp_path / "r.json").read_text())["failed"]
+    assert failed["node"] == "x" and failed["error"] == "ShapeMismatchError"
+    svg = fills(tmp_path / "c.svg")
+    assert svg["x"] == COLORS["failed"] and svg["fc"] == COLORS["op"]
