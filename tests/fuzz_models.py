@@ -81,13 +81,14 @@ def _param_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 class FuzzModel(nn.Module):
     """The model a ``ModelSpec`` describes. Also holds an unused layer (state_dict checks)."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, leaky: float | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.leaky = leaky  # build every ReLU form as the matching LeakyReLU form instead
         self.unused = nn.Linear(2, 2)
         shapes = spec.shapes
         for i, s in enumerate(spec.steps):
-            mod = self._make(s, [shapes[j] for j in s.inputs])
+            mod = self._make(s, [shapes[j] for j in s.inputs], leaky)
             if isinstance(mod, nn.Module):
                 self.add_module(f"m{i}", mod)
             elif isinstance(mod, dict):
@@ -96,13 +97,13 @@ class FuzzModel(nn.Module):
         self.to(spec.dtype)
 
     @staticmethod
-    def _make(s: Step, shapes: list[tuple[int, ...]]) -> Any:
+    def _make(s: Step, shapes: list[tuple[int, ...]], leaky: float | None) -> Any:
         shape = shapes[0]
         op = s.op
         if op == "relu_mod":
-            return nn.ReLU()
+            return nn.ReLU() if leaky is None else nn.LeakyReLU(leaky)
         if op == "relu_mod_inplace":
-            return nn.ReLU(inplace=True)
+            return nn.ReLU(inplace=True) if leaky is None else nn.LeakyReLU(leaky, inplace=True)
         if op == "gelu_mod":
             return nn.GELU()
         if op == "leaky_mod":
@@ -164,6 +165,8 @@ class FuzzModel(nn.Module):
             return mod(h)
         if op in ("linear", "conv"):
             return mod(mod(h)) if s.arg[-1] else mod(h)  # a module called twice
+        if self.leaky is not None and op in RELU_FORMS[2:]:
+            return F.leaky_relu(h, self.leaky, inplace=op in _INPLACE)
         if op == "F.relu":
             return F.relu(h)
         if op == "F.relu_inplace":
@@ -216,7 +219,7 @@ class FuzzModel(nn.Module):
             if s.arg == "torch":
                 return torch.flatten(h, 1)
             if s.arg == "view":
-                return h.view(h.size(0), -1)
+                return h.reshape(h.size(0), -1)
             return h.flatten(1)
         if op == "to3d":
             return h.flatten(2) if s.arg == 4 else h.unsqueeze(-1)
@@ -289,8 +292,11 @@ def _candidates(shape: tuple[int, ...], fresh_safe: bool, steps_left: int) -> li
 
 
 @st.composite
-def model_specs(draw: Any, max_steps: int = 7) -> ModelSpec:
-    """Random valid ``ModelSpec`` s: 1..max_steps ops over 2-d, 3-d or 4-d float inputs."""
+def model_specs(draw: Any, max_steps: int = 7, fusable: bool = False) -> ModelSpec:
+    """Random valid ``ModelSpec`` s: 1..max_steps ops over 2-d, 3-d or 4-d float inputs.
+
+    ``fusable=True`` follows a conv or linear by a batch-norm half of the time (for ``Fuse``).
+    """
     nd = draw(st.sampled_from([2, 3, 4]))
     batch = 2
     chans = draw(st.integers(1, 4))
@@ -310,11 +316,19 @@ def model_specs(draw: Any, max_steps: int = 7) -> ModelSpec:
         same = [j for j in binary if shapes[j] == shape]
         catable = [j for j in binary if shapes[j][0] == shape[0] and shapes[j][2:] == shape[2:] and len(shape) > 1]
         ops = _candidates(shape, fresh, 0)
+        ops += [o for o in ("linear", "conv") if o in ops]  # weight the layers transforms act on
+        if src == last and producers[src] in ("conv", "F.conv", "linear") and "bn" in ops:
+            ops += ["bn", "bn", "bn"]  # conv/linear -> batch-norm: what Fuse folds
         if same:
             ops += ["add", "add", "mul"]
         if catable:
             ops.append("cat")
-        op = draw(st.sampled_from(ops))
+        if fusable and src == last and producers[src] in ("conv", "linear") and "bn" in ops and draw(st.booleans()):
+            op = "bn"
+        elif fusable and draw(st.integers(0, 2)) == 0:
+            op = draw(st.sampled_from([o for o in ("conv", "linear") if o in ops]))
+        else:
+            op = draw(st.sampled_from(ops))
         inputs: tuple[int, ...] = (src,)
         arg: Any = None
         if op in ("add", "mul"):
@@ -364,11 +378,19 @@ def model_specs(draw: Any, max_steps: int = 7) -> ModelSpec:
     return ModelSpec(in_shape, dtype, steps, outputs, fmt, seed, shapes)
 
 
-def build(spec: ModelSpec) -> FuzzModel:
-    """The model for ``spec``, its parameters drawn from the spec's seed."""
+def build(spec: ModelSpec, leaky: float | None = None) -> FuzzModel:
+    """The model for ``spec``, its parameters (and batch-norm statistics) drawn from its seed."""
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        return FuzzModel(spec)
+        model = FuzzModel(spec, leaky)
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.running_mean.normal_(0, 0.3)
+                    m.running_var.uniform_(0.5, 2.0)
+                    m.weight.normal_(1, 0.3)
+                    m.bias.normal_(0, 0.3)
+        return model
 
 
 def flat_tensors(out: Any) -> list[Tensor]:
@@ -376,7 +398,7 @@ def flat_tensors(out: Any) -> list[Tensor]:
     if isinstance(out, Tensor):
         return [out]
     if isinstance(out, dict):
-        return [t for k in sorted(out) for t in flat_tensors(out[k])]
+        return [t for v in out.values() for t in flat_tensors(v)]
     if isinstance(out, (tuple, list)):
         return [t for o in out for t in flat_tensors(o)]
     return []

@@ -8,8 +8,11 @@ each of the three properties here, so about 36 models plus shrinking); set
 
 from __future__ import annotations
 
+import atexit
+import collections
 import copy
 import importlib
+import json
 import os
 from typing import Any
 
@@ -20,13 +23,18 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import fxdebug
-from fuzz_models import ModelSpec, build, flat_tensors, model_specs
+from fuzz_models import RELU_FORMS, ModelSpec, build, flat_tensors, model_specs
 
 _DEFAULT = 500 if os.environ.get("FXDEBUG_SLOW") else 12
 EXAMPLES = int(os.environ.get("FXDEBUG_FUZZ_EXAMPLES", _DEFAULT))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("FXDEBUG_FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True, database=None,
                 phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+
+# What the generated models exercised; FXDEBUG_FUZZ_STATS=path writes it out at exit.
+STATS: collections.Counter[str] = collections.Counter()
+if os.environ.get("FXDEBUG_FUZZ_STATS"):
+    atexit.register(lambda: open(os.environ["FXDEBUG_FUZZ_STATS"], "w").write(json.dumps(STATS, indent=1)))
 
 
 # -- a small observe-only pass of our own, so the properties hold without the pass library ------
@@ -67,7 +75,7 @@ def _real_pass(name: str, **kwargs: Any) -> fxdebug.Pass | None:
 
 
 def observe_passes() -> list[fxdebug.Pass]:
-    found = [_real_pass("ShapeAssert"), _real_pass("NaNCheck"), _real_pass("StatCollector", grads=True),
+    found = [_real_pass("ShapeAssert"), _real_pass("NaNCheck", backward=True), _real_pass("StatCollector", grads=True),
              _real_pass("DeviceCheck")]
     return [WatchAll(), *[p for p in found if p is not None]]
 
@@ -140,6 +148,9 @@ def assert_outputs_equal(a: Any, b: Any) -> None:
 
 
 def check_observe_only(spec: ModelSpec, train: bool, passes: list[fxdebug.Pass]) -> fxdebug.Instrumented:
+    STATS["models"] += 1
+    STATS.update(f"op:{op}" for op in spec.ops())
+    STATS[f"out:{spec.out_format}"] += 1
     model = build(spec).train(train)
     x = spec.example()
     ref = copy.deepcopy(model)
@@ -203,3 +214,89 @@ def test_instrumenting_twice_composes(spec: ModelSpec) -> None:
     with torch.no_grad():
         assert_outputs_equal(twice(x), model(x))
     assert twice.report().calls == 1 and once.report().calls == 0
+
+
+# -- transform passes: exact where the change is meant to be exact ---------------------------------
+def _compare_run(dbg: nn.Module, ref: nn.Module, x: Tensor, seed: int) -> None:
+    out_ref, gx_ref = run_step(ref, x, seed)
+    out, gx = run_step(dbg, x, seed)
+    assert_outputs_equal(out, out_ref)
+    assert (gx is None and gx_ref is None) or torch.equal(gx, gx_ref)
+
+
+@FUZZ
+@given(spec=model_specs(), train=st.booleans(), slope=st.sampled_from([0.01, 0.2]))
+def test_swap_activation_equals_a_hand_made_leaky_copy(spec: ModelSpec, train: bool, slope: float) -> None:
+    swap = _real_pass("SwapActivation", negative_slope=slope)
+    if swap is None:
+        pytest.skip("SwapActivation has not landed")
+    model = build(spec).train(train)
+    leaky = build(spec, leaky=slope).train(train)
+    before = snapshot(model)
+    dbg = fxdebug.instrument(model, passes=[swap], example_inputs=(spec.example(),))
+    assert_same_state(before, snapshot(model))
+    assert not any(fxdebug.is_relu(n, dbg) for n in dbg.graph.nodes), "a ReLU form was not swapped"
+    _compare_run(dbg, leaky, spec.example(), spec.seed)
+    assert_same_values(model, leaky)
+    STATS["relus_swapped"] += sum(op in RELU_FORMS for op in spec.ops())
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    """Fuse's stated tolerance: rtol 1e-4 / atol 1e-4 in float32, 1e-10 in float64."""
+    return {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+
+
+@FUZZ
+@given(spec=model_specs(fusable=True))
+def test_fuse_matches_in_eval_within_tolerance(spec: ModelSpec) -> None:
+    fuse = _real_pass("Fuse")
+    if fuse is None:
+        pytest.skip("Fuse has not landed")
+    model = build(spec).eval()
+    x = spec.example()
+    before = snapshot(model)
+    dbg = fxdebug.instrument(model, passes=[fuse], example_inputs=(x,))
+    assert_same_state(before, snapshot(model))
+    with torch.no_grad():
+        got, want = flat_tensors(dbg(x)), flat_tensors(model(x))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **_tolerance(spec.dtype))
+    STATS["fused_pairs"] += sum(n.startswith("fused ") for r in dbg.pass_results for n in r.notes)
+
+
+@FUZZ
+@given(spec=model_specs(), train=st.booleans(), amount=st.sampled_from([0.0, 0.3, 0.5, 0.9]),
+       structured=st.sampled_from([False, False, "channels"]))
+def test_prune_masks_equals_the_model_with_those_weights_zeroed(spec: ModelSpec, train: bool, amount: float,
+                                                                structured: Any) -> None:
+    prune = _real_pass("PruneMasks", amount=amount, structured=structured)
+    if prune is None:
+        pytest.skip("PruneMasks has not landed")
+    from fxdebug.passes.prune import Masked, sparsity
+
+    model = build(spec).train(train)
+    x = spec.example()
+    ref = copy.deepcopy(model)
+    before = snapshot(model)
+    dbg = fxdebug.instrument(model, passes=[prune], example_inputs=(x,))
+    assert_same_state(before, snapshot(model))
+    masked = [m for m in dbg.modules() if isinstance(m, Masked)]
+    masks: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for m in masked:
+            for name in m.names:
+                masks[f"{m.path}.{name}" if m.path else name] = m.mask(name)
+                getattr(ref.get_submodule(m.path), name).mul_(m.mask(name))
+    stats = sparsity(dbg)
+    if stats["weights"] and not structured:
+        assert stats["global"] == round(amount * stats["weights"]) / stats["weights"]
+    _compare_run(dbg, ref, x, spec.seed)
+    ref_params = dict(ref.named_parameters())
+    for k, p in model.named_parameters():
+        want = ref_params[k].grad
+        if want is not None and k in masks:
+            want = want * masks[k]
+        assert (p.grad is None) == (want is None) and (want is None or torch.equal(p.grad, want)), k
+    STATS["pruned_layers"] += len(masked)
+    STATS.update(f"prune-op:{op}" for op in spec.ops())
