@@ -74,19 +74,19 @@ class Reductions:
                 c["min"] = torch.full((), float("inf"), device=x.device, dtype=acc)
                 c["max"] = torch.full((), float("-inf"), device=x.device, dtype=acc)
             elif key == "max" and self.channel_dim is not None:
-                c["max"] = self["chan_max"].max().to(acc)
+                c["max"] = _as(self["chan_max"].max(), acc)
             elif fused and self.channel_dim is None:
                 lo, hi = torch.aminmax(x)
-                c["min"], c["max"] = lo.to(acc), hi.to(acc)
+                c["min"], c["max"] = _as(lo, acc), _as(hi, acc)
             else:
-                c[key] = (x.amin() if key == "min" else x.amax()).to(acc)
+                c[key] = _as(x.amin() if key == "min" else x.amax(), acc)
         elif key == "chan_max":
             if x.dim() < 2 or x.numel() == 0:
                 c[key] = None
             else:
                 cd = (self.channel_dim if self.channel_dim is not None else 1) % x.dim()
                 dims = [d for d in range(x.dim()) if d != cd]
-                c[key] = x.amax(dim=dims).to(acc)
+                c[key] = _as(x.amax(dim=dims), acc)
         elif key == "nonzero":
             c[key] = torch.linalg.vector_norm(x, 0, dtype=acc) if fused else torch.count_nonzero(x)
         elif key == "nan":
@@ -97,6 +97,11 @@ class Reductions:
             c[key] = x.numel()
         else:
             raise KeyError(f"no reduction named {key!r}; known: sum, norm2, norm1, min, max, chan_max, nonzero, nan, inf, numel")
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` in ``dtype``; free when it already is (``Tensor.to`` still costs a dispatch)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 class Clock(nn.Module):
@@ -251,16 +256,17 @@ class Observer(nn.Module):
         clock = self._clock.now(x.device) if self._clock is not None else None
         call = max(self._clock.calls - 1, 0) if self._clock is not None else max(self.calls - 1, 0)
         ctx = ObservationContext(self, phase, inputs, clock, call)
-        with torch.no_grad():
-            for key, probe in self.probes.items():
-                if phase == "grad" and not probe.grads:
-                    continue
-                state = self.states.get((key, phase))
-                if state is None:
-                    state = self.states[(key, phase)] = probe.init_state(x, phase)
-                elif _state_device(state) not in (None, x.device):
-                    state = self.states[(key, phase)] = _to_device(state, x.device)
-                probe.update(state, r, ctx)
+        # No no_grad() block: reductions run on the detached tensor, so they record no graph,
+        # and entering the context manager would cost as much as a reduction on small tensors.
+        for key, probe in self.probes.items():
+            if phase == "grad" and not probe.grads:
+                continue
+            state = self.states.get((key, phase))
+            if state is None:
+                state = self.states[(key, phase)] = probe.init_state(x, phase)
+            elif _state_device(state) not in (None, x.device):
+                state = self.states[(key, phase)] = _to_device(state, x.device)
+            probe.update(state, r, ctx)
 
     # -- reading --------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:

@@ -58,6 +58,8 @@ class NonFiniteProbe(Probe):
         return state
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        if r.x.numel() == 0:  # an empty tensor (zero-size batch) holds no value, so no non-finite one
+            return
         lo, hi = r.extremes()
         clock = ctx.clock if ctx.clock is not None else torch.full((), ctx.call, dtype=torch.int64, device=lo.device)
         state["pending"].append((clock, lo, hi))
@@ -111,6 +113,8 @@ class RaisingProbe(NonFiniteProbe):
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
         super().update(state, r, ctx)
+        if r.x.numel() == 0:
+            return
         lo, hi = r.extremes()
         if lo.device.type == "meta" or bool(torch.isfinite(lo) & torch.isfinite(hi).all()):  # the documented sync
             return
@@ -129,12 +133,13 @@ class RaisingProbe(NonFiniteProbe):
         parts, all_finite = [], True
         for name, t in zip(self.input_names, ctx.inputs):
             if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
+                t = t.detach()
                 finite = bool(torch.isfinite(t).all())
                 all_finite &= finite
                 parts.append(f"'{name}' {tuple(t.shape)}: min {float(t.min()):.4g}, max {float(t.max()):.4g}"
                              + ("" if finite else " (already non-finite)"))
         params = self.owner.named_parameters() if self.owner is not None else ()
-        bad_params = [f"{self.module}.{n}" for n, p in params if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+        bad_params = [f"{self.module}.{n}" for n, p in params if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
         inputs = "; ".join(parts) if parts else "no floating-point tensor inputs"
         if bad_params:
             cause = f"Its parameter(s) {', '.join(bad_params)} are not finite: the weights went bad (learning rate, a bad checkpoint)."

@@ -85,8 +85,8 @@ class StatsProbe(Probe):
         if r.x.numel() == 0:
             return
         lo, hi = r.extremes()
-        vec = torch.stack([r["sum"], r["norm2"], r["norm1"], r["nonzero"].to(lo.dtype), lo])
-        state["pending"].append((vec, hi))
+        vec = torch.stack([r["sum"], r["norm2"], r["norm1"], lo])
+        state["pending"].append((vec, r["nonzero"], hi))
         state["count"] += r.x.numel()
         state["calls"] += 1
         if self.counts:
@@ -101,13 +101,14 @@ class StatsProbe(Probe):
         pending = state["pending"]
         if not pending:
             return
-        v = torch.stack([vec for vec, _ in pending]).to(torch.float64)  # (K, 5)
+        v = torch.stack([vec for vec, _, _ in pending]).to(torch.float64)  # (K, 4)
+        nonzero = torch.stack([nz for _, nz, _ in pending]).to(torch.float64)
         norms = v[:, 1]
-        totals = torch.stack([v[:, 0], norms * norms, v[:, 2], v[:, 3], norms], dim=1).sum(dim=0)
+        totals = torch.stack([v[:, 0], norms * norms, v[:, 2], nonzero, norms], dim=1).sum(dim=0)
         state["acc"] = state["acc"] + totals
-        state["lo"] = torch.minimum(state["lo"], v[:, 4].amin())
+        state["lo"] = torch.minimum(state["lo"], v[:, 3].amin())
         by_shape: dict[tuple[int, ...], list[Tensor]] = {}
-        for _, hi in pending:
+        for _, _, hi in pending:
             by_shape.setdefault(tuple(hi.shape), []).append(hi)
         for shape, his in by_shape.items():
             top = torch.stack(his).amax(dim=0).to(torch.float64)
