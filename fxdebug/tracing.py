@@ -11,8 +11,10 @@ the model fxdebug could not see into, and why.
 from __future__ import annotations
 
 import inspect
+import linecache
 import os
 import re
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -78,8 +80,14 @@ class _FailureLocatingTracer(Tracer):
 
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
-        self.record_stack_traces = True
+        self.record_stack_traces = False  # torch's recorder costs ~0.3 ms a node; ours walks frames
         self._leaves = leaves
+
+    def create_node(self, *args: Any, **kwargs: Any) -> Any:
+        node = super().create_node(*args, **kwargs)
+        if node.op not in ("placeholder", "output") and not node.stack_trace:
+            node.stack_trace = _user_frame_text()
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self._leaves or super().is_leaf_module(m, module_qualified_name)
@@ -91,6 +99,22 @@ class _FailureLocatingTracer(Tracer):
             if not hasattr(exc, "_fxdebug_module"):
                 exc._fxdebug_module = self.path_of_module(m)  # type: ignore[attr-defined]
             raise
+
+
+def _user_frame_text() -> str | None:
+    """The innermost caller frame outside torch and fxdebug, formatted like a traceback entry.
+
+    Walking ``sys._getframe`` is an order of magnitude cheaper than extracting a full traceback
+    per node, which matters on graphs of thousands of nodes.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_TORCH_DIR, _FXDEBUG_DIR)) and not filename.startswith("<"):
+            code = linecache.getline(filename, frame.f_lineno).strip()
+            return f'File "{filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}'
+        frame = frame.f_back
+    return None
 
 
 def _user_location(exc: BaseException) -> str | None:
