@@ -310,7 +310,7 @@ def test_deepcopied_pruned_model_masks_its_own_layer() -> None:
     dbg = fxdebug.instrument(model, passes=[PruneMasks(0.5)], example_inputs=(X,))
     twin = copy.deepcopy(dbg)
     with torch.no_grad():
-        twin.get_submodule("0").weight.mul_(2.0)  # the copy's own layer: its masked call must see the change
+        twin.get_submodule("2").bias.add_(1.0)  # the copy's own layer: its masked call must see the change
     masked = [m for m in twin.modules() if type(m).__name__ == "Masked"]
     assert masked and all(m.layer is twin.get_submodule(m.path) for m in masked)
     assert not torch.equal(twin(X), dbg(X))
