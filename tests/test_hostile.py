@@ -314,3 +314,14 @@ def test_deepcopied_pruned_model_masks_its_own_layer() -> None:
     masked = [m for m in twin.modules() if type(m).__name__ == "Masked"]
     assert masked and all(m.layer is twin.get_submodule(m.path) for m in masked)
     assert not torch.equal(twin(X), dbg(X))
+
+
+def test_fuse_a_chain_of_pairs() -> None:
+    """Regression (found by the fuzzer): linear -> bn -> linear -> bn left an unordered graph."""
+    from fxdebug.passes import Fuse
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2), nn.BatchNorm1d(2)).eval()
+    dbg = fxdebug.instrument(model, passes=[Fuse()], example_inputs=(X,))
+    assert sum(n.startswith("fused ") for n in dbg.pass_results[0].notes) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(dbg(X), model(X), rtol=1e-4, atol=1e-4)
