@@ -117,6 +117,11 @@ class _SpecRecorder(Interpreter):
         self.extra_traceback = False  # our own error names the node; torch's addendum is noise
         self.specs: dict[str, Any] = {}
 
+    def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if str(target).startswith("*"):  # bind_inputs packed ``*args`` as a tuple, ``**kwargs`` as a dict
+            return next(self.args_iter)
+        return super().placeholder(target, args, kwargs)
+
     def run_node(self, n: Node) -> Any:
         if is_instrumentation(n):
             return None
@@ -296,6 +301,8 @@ class PassContext:
         self.copy_meta(node, new)
         fx_meta(new)["module_type"] = type(module).__name__
         fx_meta(new)["replaced"] = f"{op_label(node)} ({node.name})"
+        if not node.users:  # the model computed a value nobody reads; its replacement keeps that shape
+            fx_meta(new)["keep_unused"] = True
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         return new

@@ -81,7 +81,7 @@ def op_failure(node: Node, exc: BaseException, args: Any, *, when: str = "runnin
     """A typed fxdebug error for ``exc`` raised by ``node`` on ``args`` (to be raised ``from exc``)."""
     if isinstance(exc, FxDebugError):
         return exc
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
     where = source_line(node)
     at = f" Defined at {where}." if where else ""
     head = f"{describe(node)} failed while {when}: {text}. Inputs: {_inputs_text(args)}."

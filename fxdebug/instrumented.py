@@ -366,7 +366,15 @@ def trace(
         gm = _trace_export(model, inputs, dynamic_batch)
     except TraceError as exc:
         why.append(f"auto: torch.export failed: {exc.message}")
-        gm = _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
+        try:
+            gm = _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
+        except FxDebugError:
+            raise
+        except Exception as run_exc:  # the model itself does not run on the example inputs
+            raise TraceError(
+                f"{type(model).__name__}'s own forward raised {type(run_exc).__name__} on the example inputs: "
+                f"{str(run_exc).strip() or type(run_exc).__name__}. fxdebug can only capture a model that runs: fix "
+                "the forward or the example inputs.", module="", op=type(model).__name__) from run_exc
     info = gm.trace_info
     info.notes[:0] = why
     info.seconds = time.perf_counter() - start

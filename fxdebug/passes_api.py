@@ -161,6 +161,7 @@ class PassManager:
 
     def _run_one(self, p: Pass, gm: GraphModule, ctx: PassContext) -> GraphModule:
         before = {n: n.name for n in gm.graph.nodes}
+        unused_before = {n.name for n in gm.graph.nodes if not n.users}  # the model's own dead values
         ctx.current_pass, ctx.where = p.name, getattr(p, "where", None)
         for inst in ctx.instruments:
             getattr(inst, "before_pass", lambda *_: None)(p, gm)
@@ -187,7 +188,8 @@ class PassManager:
         gm = result.gm
         result.pass_name, result.seconds = p.name, time.perf_counter() - start
         added = [n for n in gm.graph.nodes if n not in before]
-        self._check(p, gm, added)
+        dead_replacements = {new for old, new in result.replaced.items() if old in unused_before}
+        self._check(p, gm, [n for n in added if n.name not in dead_replacements])
         for n in added:
             fx_meta(n).setdefault("added_by", p.name)
         if not result.added:

@@ -251,9 +251,12 @@ def replace_pattern(
         where = getattr(ctx, "where", None)
     ctx = ctx if ctx is not None else PassContext()
     done: list[Replacement] = []
+    moved: dict[Node, Node] = {}  # anchor of an earlier replacement -> the node that replaced it
     for match in find_pattern(gm, pattern, where=where):
-        if match.blocked:
+        if match.blocked or any(n in moved for n in match.nodes):
             continue
+        # a chain (linear -> bn -> linear -> bn): this match may read an anchor replaced just before
+        inputs = [moved.get(i, i) if isinstance(i, Node) else i for i in match.inputs]
         repl = build(match) if build is not None else replacement
         if repl is None:
             continue
@@ -261,14 +264,15 @@ def replace_pattern(
             if isinstance(repl, nn.Module) and not isinstance(repl, GraphModule):
                 module = repl if build is not None else copy.deepcopy(repl)
                 target = ctx.add_module(gm, f"{type(module).__name__.lower()}_{match.anchor.name}", module)
-                out = gm.graph.call_module(target, tuple(match.inputs), {})
+                out = gm.graph.call_module(target, tuple(inputs), {})
                 added = [out]
                 _record(ctx, match, out, module)
             else:
-                out, added = _inline(ctx, gm, repl, match.inputs)
+                out, added = _inline(ctx, gm, repl, inputs)
                 for n in added:
                     _record(ctx, match, n, get_module(gm, n))
         match.anchor.replace_all_uses_with(out)
+        moved[match.anchor] = out
         for n in reversed(match.nodes):
             gm.graph.erase_node(n)
         done.append(Replacement(match, out, added))

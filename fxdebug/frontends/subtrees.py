@@ -70,6 +70,9 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+_RAISED = object()
+
+
 def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, _Calls], int]:
     """Run ``model`` once, eagerly, noting each submodule's calls, inputs, outputs and op count."""
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
@@ -86,11 +89,13 @@ def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             rec.order, order[0] = order[0], order[0] + 1
         stack.append(rec)
 
-    def post(mod: nn.Module, a: Any, kw: Any, out: Any) -> None:
+    def post(mod: nn.Module, a: Any, kw: Any, out: Any = _RAISED) -> None:
         path = paths.get(id(mod))
         if path is None or not stack:
             return
         rec = stack.pop()
+        if out is _RAISED:  # torch calls always_call hooks as (mod, args, None) when forward raised
+            return
         rec.count += 1
         if len(rec.calls) < _MAX_CALLS:
             rec.calls.append((_clone(tuple(a)), _clone(dict(kw)), _clone(out)))
