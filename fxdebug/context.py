@@ -134,7 +134,10 @@ class _SpecRecorder(Interpreter):
 
             args = self.fetch_args_kwargs_from_env(n)[0] if n.op != "placeholder" else ()
             raise op_failure(n, exc, args, when="running the example inputs") from exc
-        self.specs[n.name] = spec_of(value)
+        spec = self.specs[n.name] = spec_of(value)
+        if isinstance(spec, TensorSpec):  # written as we go, so an error later can cite it
+            meta = fx_meta(n)
+            meta["shape"], meta["dtype"], meta["device"] = spec.shape, str(spec.dtype).replace("torch.", ""), str(spec.device)
         return value
 
 
@@ -186,11 +189,6 @@ class PassContext:
             with preserved_state(gm), torch.no_grad():
                 recorder.run(*values)
             self._specs, self._spec_graph = recorder.specs, id(gm.graph)
-            for node in gm.graph.nodes:
-                spec = self._specs.get(node.name)
-                if isinstance(spec, TensorSpec):
-                    meta = fx_meta(node)
-                    meta["shape"], meta["dtype"], meta["device"] = spec.shape, str(spec.dtype).replace("torch.", ""), str(spec.device)
         return self._specs
 
     def spec(self, node: Node) -> Any:

@@ -27,7 +27,10 @@ _SHAPE_WORDS = re.compile(
     r"channels|out of range|broadcast",
     re.IGNORECASE,
 )
-_DEVICE_WORDS = re.compile(r"same device|device type|on device|Expected all tensors|cuda.*cpu|cpu.*cuda|meta", re.IGNORECASE)
+_DEVICE_WORDS = re.compile(
+    r"same device|device type|on device|Expected all tensors|cuda.*cpu|cpu.*cuda|meta.*(cpu|cuda)|(cpu|cuda).*meta",
+    re.IGNORECASE,
+)
 
 
 def describe_value(value: Any) -> str:
@@ -73,8 +76,18 @@ def _producers(node: Node) -> str:
         if inp.op == "placeholder":
             parts.append(f"input '{inp.name}'")
         elif inp.op != "get_attr":
-            parts.append(f"'{inp.name}' ({describe(inp).split('(', 1)[1].rstrip(')')})")
+            parts.append(f"'{inp.name}' ({describe(inp).split('(', 1)[1].rstrip(')')}{_made_from(inp)})")
     return f" Its input comes from {', '.join(parts)}." if parts else ""
+
+
+def _made_from(node: Node) -> str:
+    """`` of (2, 10, 12, 12) from 'pool'``: what a producer itself consumed, when shapes are known."""
+    sources = [i for i in node.all_input_nodes if i.op != "get_attr"]
+    shaped = [(i, i.meta.get("fxdebug", {}).get("shape")) for i in sources]
+    shaped = [(i, s) for i, s in shaped if s is not None]
+    if not shaped:
+        return ""
+    return " of " + ", ".join(f"({', '.join(str(d) for d in s)}) from '{i.name}'" for i, s in shaped)
 
 
 def op_failure(node: Node, exc: BaseException, args: Any, *, when: str = "running") -> BaseException:

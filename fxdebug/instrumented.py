@@ -177,9 +177,12 @@ def _adopt_hierarchy(gm: GraphModule, model: nn.Module) -> None:
     gm._modules = OrderedDict(model._modules)
     if ours is not None and NAMESPACE not in gm._modules:
         gm._modules[NAMESPACE] = ours
-    gm._parameters = OrderedDict(model._parameters)
-    gm._buffers = OrderedDict(model._buffers)
-    gm._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    # The root's own parameter and buffer dicts are shared, not copied: model.to(device) replaces
+    # Parameter objects in place in that dict, and the instrumented module must see the new ones.
+    # fxdebug registers nothing at the root (its state lives under the namespace), so sharing is safe.
+    gm._parameters = model._parameters
+    gm._buffers = model._buffers
+    gm._non_persistent_buffers_set = model._non_persistent_buffers_set
     gm.training = model.training
 
 
@@ -343,16 +346,14 @@ def trace(
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_FRONTENDS)}.")
     inputs = normalize_inputs(example_inputs)
     if frontend == "symbolic":
-        graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
-        return Instrumented._build(model, graph, info)
+        return _trace_symbolic(model, inputs, leaf_modules, auto_leaf)
     if frontend == "export":
         return _trace_export(model, inputs, dynamic_batch)
     if frontend == "subtrees":
         return _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
     start = time.perf_counter()
     try:
-        graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
-        return Instrumented._build(model, graph, info)
+        return _trace_symbolic(model, inputs, leaf_modules, auto_leaf)
     except TraceError as exc:
         symbolic_error = exc
     why = [f"auto: symbolic tracing failed: {symbolic_error.message}"]
@@ -394,6 +395,22 @@ def _trace_subtrees(model: nn.Module, inputs: Any, leaf_modules: Sequence[str | 
 
     return capture_subtrees(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf,
                             dynamic_batch=dynamic_batch)
+
+
+def _trace_symbolic(model: nn.Module, inputs: Any, leaf_modules: Any, auto_leaf: bool) -> Instrumented:
+    graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
+    if not info.constants:
+        return Instrumented._build(model, graph, info)
+    # Tensors created in forward live under fxdebug.constants (non-persistent), not on the model.
+    space, consts = nn.Module(), nn.Module()
+    for name, value in info.constants.items():
+        consts.register_buffer(name, value, persistent=False)
+    space.add_module("constants", consts)
+    for node in graph.nodes:
+        if node.op == "get_attr" and str(node.target) in info.constants:
+            node.target = f"{NAMESPACE}.constants.{node.target}"
+    info.constants = {}
+    return Instrumented._build(model, graph, info, namespace=space)
 
 
 def _copy_instrumented(gm: Instrumented) -> Instrumented:

@@ -57,6 +57,7 @@ class TraceInfo:
     concrete_args: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    constants: dict[str, Any] = field(default_factory=dict)  # tensors forward creates (torch.ones(4))
     # frontend "subtrees": fractions of parameters / executed aten ops under instrumentation,
     # {module path: why it stayed eager} ("" is the root), {module path: frontend that captured it}
     coverage: dict[str, float] = field(default_factory=dict)
@@ -182,11 +183,34 @@ def capture_symbolic(
     if concrete:
         info.notes.append(f"arguments left at None are pinned to None in the graph: {sorted(concrete)}")
     max_attempts = sum(1 for _ in model.named_modules()) + 2
+    own_attributes = set(model.__dict__)
+    try:
+        graph = _trace_with_leaves(model, inputs, leaves, concrete, info, auto_leaf, max_attempts)
+    finally:
+        # FX stores tensors created in forward (torch.ones(4)) on the root as _tensor_constant*;
+        # take them back off the user's model, which fxdebug never mutates.
+        for name in [k for k in model.__dict__ if k not in own_attributes]:
+            info.constants[name] = model.__dict__.pop(name)
+    info.concrete_args = concrete
+    _annotate(graph, model, info)
+    info.seconds = time.perf_counter() - start
+    return graph, info
+
+
+def _trace_with_leaves(
+    model: nn.Module,
+    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None,
+    leaves: set[str],
+    concrete: dict[str, Any],
+    info: TraceInfo,
+    auto_leaf: bool,
+    max_attempts: int,
+) -> Graph:
+    """Trace, turning the innermost failing module into a leaf after each failure."""
     for _ in range(max_attempts):
         tracer = _FailureLocatingTracer(leaves)
         try:
-            graph = tracer.trace(model, concrete_args=concrete or None)
-            break
+            return tracer.trace(model, concrete_args=concrete or None)
         except Exception as exc:
             failed = getattr(exc, "_fxdebug_module", "")
             if failed and auto_leaf and failed not in leaves:
@@ -197,16 +221,11 @@ def capture_symbolic(
                 continue
             fixed = _defaults_not_given(model, inputs)
             if not failed and fixed and any(k not in concrete for k in fixed):
-                concrete = {**concrete, **fixed}  # the root branches on an optional argument: pin it to its default
+                concrete.update(fixed)  # the root branches on an optional argument: pin it to its default
                 info.notes.append(f"pinned forward arguments to their defaults: {sorted(fixed)}")
                 continue
             raise _trace_error(model, failed, exc, auto_leaf) from exc
-    else:  # pragma: no cover - every attempt adds a leaf, so the loop ends before this
-        raise TraceError(f"tracing {type(model).__name__} did not converge after {max_attempts} attempts.")
-    info.concrete_args = concrete
-    _annotate(graph, model, info)
-    info.seconds = time.perf_counter() - start
-    return graph, info
+    raise TraceError(f"tracing {type(model).__name__} did not converge after {max_attempts} attempts.")
 
 
 def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool) -> TraceError:
