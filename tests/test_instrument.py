@@ -180,3 +180,31 @@ def test_report_and_reset_exist_without_passes():
     assert conv["module"] == "conv" and conv["op"] == "Conv2d" and conv["shape"] == (2, 8, 8, 8)
     dbg.reset()
     assert "conv" in str(report)
+
+
+class MakesConstants(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) + torch.ones(4)  # FX stores this tensor as a graph constant
+
+
+def test_tensor_constants_do_not_land_on_the_model():
+    model = MakesConstants()
+    x = torch.randn(2, 4)
+    attributes = set(vars(model))
+    dbg = fxdebug.instrument(model, passes=[], example_inputs=(x,))
+    assert set(vars(model)) == attributes
+    assert list(dbg.state_dict()) == list(model.state_dict())
+    assert torch.equal(dbg(x), model(x))
+    assert torch.equal(copy.deepcopy(dbg)(x), model(x))
+
+
+def test_moving_the_model_after_instrumenting_moves_the_instrumented_module():
+    model, (x,) = ZOO["get_attr_params"]()
+    dbg = fxdebug.instrument(model, passes=[], example_inputs=(x,))
+    model.to("meta")
+    assert dbg.weight.device.type == "meta"
+    assert dbg(x.to("meta")).device.type == "meta"
