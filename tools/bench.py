@@ -182,7 +182,9 @@ class Bench:
         self.row["peak_plain_mib"] = peak_delta_mib(plain, self.device)
         if self.inst is not None:
             self.row["peak_fxdebug_mib"] = peak_delta_mib(_no_grad(self.inst, self.x), self.device)
-            self.row["peak_ratio"] = self.row["peak_fxdebug_mib"] / max(self.row["peak_plain_mib"], 1e-9)
+            plain, inst = self.row["peak_plain_mib"], self.row["peak_fxdebug_mib"]
+            if plain is not None and inst is not None and plain >= 1.0:  # below 1 MiB the ratio is noise
+                self.row["peak_ratio"] = inst / plain
 
 
 def graph_scale(quick: bool, device: torch.device, out_dir: Path) -> dict[str, Any]:
