@@ -18,12 +18,8 @@ import warnings
 from collections import OrderedDict
 from typing import Any, Sequence
 
-import torch
 from torch import nn
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
-from torch.utils import _pytree as pytree
-from torch.fx.node import map_aggregate, map_arg
+from torch.fx import Graph, GraphModule
 
 from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
@@ -32,6 +28,7 @@ from .meta import fx_meta
 from .observe import Clock, Observer
 from .passes_api import Pass, PassManager, validate_passes
 from .report import Report, build_report
+from .serialize import deserialize_graph, encode_pytree_info, serialize_graph
 from .tracing import TraceInfo, capture_symbolic, normalize_inputs
 
 __all__ = ["Instrumented", "instrument", "trace"]
@@ -151,7 +148,7 @@ class Instrumented(GraphModule):
         extras = {k: v for k, v in self.__dict__.items()
                   if not k.startswith("_") and k not in ("training", "meta") and not callable(v)}
         return (_load_instrumented, (serialize_graph(self.graph), holder, self.meta, extras,
-                                     _encode_pytree_info(self.graph)))
+                                     encode_pytree_info(self.graph)))
 
 
 class _Holder(nn.Module):
@@ -186,117 +183,12 @@ def _adopt_hierarchy(gm: GraphModule, model: nn.Module) -> None:
     gm.training = model.training
 
 
-# -- graph (de)serialisation: pickle the graph itself, so fxdebug metadata survives torch.save ------
-class _Ref:
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self) -> Any:
-        return (_Ref, (self.name,))
-
-
-class _OpRef:
-    """A picklable stand-in for an aten ``OpOverload`` / higher-order op target (those do not pickle)."""
-
-    __slots__ = ("path",)
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> Any:
-        return (_OpRef, (self.path,))
-
-    def resolve(self) -> Any:
-        obj: Any = torch.ops
-        for part in self.path.split("."):
-            obj = getattr(obj, part)
-        return obj
-
-
-def _op_ref(target: Any) -> Any:
-    if isinstance(target, torch._ops.OpOverload):
-        return _OpRef(f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}")
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return _OpRef(target._qualified_op_name.replace("::", "."))
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return _OpRef(f"higher_order.{target.name()}")
-    return target
-
-
-_KEEP_META = ("fxdebug", "stack_trace", "nn_module_stack")
-
-
-def serialize_graph(graph: Graph) -> list[tuple[Any, ...]]:
-    rows = []
-    for n in graph.nodes:
-        args = map_arg(n.args, lambda a: _Ref(a.name))
-        kwargs = map_arg(n.kwargs, lambda a: _Ref(a.name))
-        meta = {k: n.meta[k] for k in _KEEP_META if k in n.meta}
-        rows.append((n.name, n.op, _op_ref(n.target), map_aggregate(args, _op_ref), map_aggregate(kwargs, _op_ref), meta))
-    return rows
-
-
-def deserialize_graph(rows: list[tuple[Any, ...]]) -> Graph:
-    graph = Graph()
-    env: dict[str, Node] = {}
-
-    def resolve(x: Any) -> Any:
-        if isinstance(x, _Ref):
-            return env[x.name]
-        if isinstance(x, _OpRef):
-            return x.resolve()
-        if isinstance(x, tuple):
-            return tuple(resolve(v) for v in x)
-        if isinstance(x, list):
-            return [resolve(v) for v in x]
-        if isinstance(x, dict):
-            return {k: resolve(v) for k, v in x.items()}
-        if isinstance(x, slice):
-            return slice(resolve(x.start), resolve(x.stop), resolve(x.step))
-        return x
-
-    for name, op, target, args, kwargs, meta in rows:
-        node = graph.create_node(op, resolve(target), resolve(args), resolve(kwargs), name=name)
-        node.meta.update(meta)
-        env[name] = node
-    return graph
-
-
-def _encode_spec(spec: Any) -> Any:
-    """A TreeSpec as nested tuples: pickling TreeSpecs directly trips a torch deprecation warning."""
-    if spec is None:
-        return None
-    if spec.is_leaf():
-        return "*"
-    return (spec.type, spec.context, [_encode_spec(c) for c in spec.children()])
-
-
-def _decode_spec(x: Any) -> Any:
-    if x is None:
-        return None
-    if x == "*":
-        return pytree.treespec_leaf()
-    return pytree.TreeSpec(x[0], x[1], [_decode_spec(c) for c in x[2]])
-
-
-def _encode_pytree_info(graph: Graph) -> Any:
-    info = getattr(graph._codegen, "pytree_info", None)
-    if info is None:
-        return None
-    return (list(info.orig_args), _encode_spec(info.in_spec), _encode_spec(info.out_spec))
-
-
 def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any],
                        pytree_info: Any = None) -> Instrumented:
     root = _Holder(*holder)
     for k, v in extras.items():
         setattr(root, k, v)
-    graph = deserialize_graph(rows)
-    if pytree_info is not None:  # export graphs flatten (args, kwargs) and rebuild the output structure
-        orig_args, in_spec, out_spec = pytree_info
-        graph._codegen = _PyTreeCodeGen(_PyTreeInfo(orig_args, _decode_spec(in_spec), _decode_spec(out_spec)))
+    graph = deserialize_graph(rows, pytree_info)
     gm = Instrumented(root, graph, class_name=meta.get("fxdebug", {}).get("model_type", "GraphModule"))
     _adopt_hierarchy(gm, root)
     gm.meta = meta

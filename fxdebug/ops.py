@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.fx import GraphModule, Node
+from torch.fx import Node
 
 __all__ = [
     "OpKind",

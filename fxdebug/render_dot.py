@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from .render_view import GraphView, VisNode, _prefixes
+from .render_view import GraphView, VisNode
 from .table import format_value
 
 __all__ = ["AUTO_BUDGET", "COLORS", "Group", "auto_depth", "group_nodes", "header", "node_label", "node_tooltip"]

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import DeviceMismatchError, PassContext, PassResult, Where
+from fxdebug import DeviceMismatchError, PassContext, PassResult
 
 __all__ = ["DeviceCheck", "check_devices"]
 

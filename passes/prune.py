@@ -30,7 +30,7 @@ import fxdebug
 from fxdebug import (Pass, PassContext, PassError, PassResult, UsageError, fx_meta, get_module, is_conv, is_linear,
                      keep_state, node_values)
 
-from .prune_groups import ChannelGroups, channel_groups
+from .prune_groups import channel_groups
 
 __all__ = ["Masked", "PruneMasks", "sparsity", "unmask"]
 

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, GraphModule
 
 from ..errors import TraceError, UsageError
 from ..meta import _clean_export_path, fx_meta

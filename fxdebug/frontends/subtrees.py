@@ -19,7 +19,7 @@ import copy
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..context import PassContext, preserved_state
-from ..errors import FxDebugError, TraceError
+from ..errors import TraceError
 from ..instrumented import Instrumented, deserialize_graph, serialize_graph
 from ..meta import fx_meta
 from ..passes_api import Pass, PassManager
