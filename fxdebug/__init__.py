@@ -25,8 +25,8 @@ from .errors import (
 from .graph_nx import to_networkx
 from .instrumented import Instrumented, instrument, trace
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
-from .observe import ObservationContext, Observer, Probe, Reductions
-from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, register_kind
+from .observe import SAMPLE, ObservationContext, Observer, Probe, Reductions, systematic_sample
+from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
 from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
 from .render import render
 from .report import Report
@@ -54,6 +54,7 @@ __all__ = [
     "Reductions",
     "Replacement",
     "Report",
+    "SAMPLE",
     "ShapeMismatchError",
     "TensorSpec",
     "TraceError",
@@ -73,6 +74,7 @@ __all__ = [
     "is_kind",
     "is_linear",
     "is_relu",
+    "is_view",
     "keep_state",
     "matches",
     "module_path",
@@ -84,6 +86,7 @@ __all__ = [
     "render",
     "replace_pattern",
     "source_line",
+    "systematic_sample",
     "to_networkx",
     "trace",
 ]

@@ -168,6 +168,7 @@ class PassContext:
         self.current_pass: str | None = None
         self.where: Where = None  # the running pass's where= option (set by the manager)
         self._specs: dict[str, Any] | None = None
+        self._clock_nodes: dict[int, Node] = {}
         self._spec_graph: int | None = None
 
     # -- shapes ---------------------------------------------------------------------------------
@@ -258,8 +259,9 @@ class PassContext:
         *,
         rewire: bool = False,
         hint: str | None = None,
+        after: Node | None = None,
     ) -> Node:
-        """Insert ``target(node, *args)`` right after ``node``.
+        """Insert ``target(node, *args)`` right after ``node`` (or after ``after``).
 
         ``target`` is a function (``call_function``) or a module (registered with
         ``add_module``, then ``call_module``). With ``rewire=True`` every user of ``node`` is
@@ -267,7 +269,7 @@ class PassContext:
         """
         gm = node.graph.owning_module
         args = (node,) if args is None else args
-        with node.graph.inserting_after(node):
+        with node.graph.inserting_after(after if after is not None else node):
             if isinstance(target, nn.Module):
                 name = self.add_module(gm, hint or f"{type(target).__name__.lower()}_{node.name}", target)
                 new = node.graph.call_module(name, args, kwargs or {})
@@ -329,7 +331,9 @@ class PassContext:
         obs_node = next((u for u in node.users if fx_meta(u).get("observes") == node.name and u.op == "call_module"), None)
         if obs_node is None:
             observer = Observer(node.name, module_path(node), op_label(node), self.clock(gm))
-            obs_node = self.insert_after(node, observer, (node,), hint=f"obs_{node.name}")
+            # An input's observer runs after the clock, so every observation sees this call's tick.
+            after = self.clock_node(gm) if node.op == "placeholder" else node
+            obs_node = self.insert_after(node, observer, (node,), hint=f"obs_{node.name}", after=after)
             meta = fx_meta(obs_node)
             meta["role"], meta["observes"] = "instrumentation", node.name
         else:
@@ -345,11 +349,18 @@ class PassContext:
 
     def clock(self, gm: GraphModule) -> Clock:
         """The graph's forward-call clock, inserted once at the start of the graph."""
+        return gm.get_submodule(str(self.clock_node(gm).target))
+
+    def clock_node(self, gm: GraphModule) -> Node:
+        """The clock's node: right after the placeholders, before anything that observes them."""
+        cached = self._clock_nodes.get(id(gm.graph))
+        if cached is not None and cached.graph is gm.graph and not getattr(cached, "_erased", False):
+            return cached
         for node in gm.graph.nodes:
             if node.op == "call_module" and fx_meta(node).get("role") == "clock":
-                return gm.get_submodule(str(node.target))
-        clock = Clock()
-        name = self.add_module(gm, "clock", clock)
+                self._clock_nodes[id(gm.graph)] = node
+                return node
+        name = self.add_module(gm, "clock", Clock())
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         anchor = placeholders[-1] if placeholders else None
         ctx = gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(next(iter(gm.graph.nodes)))
@@ -358,4 +369,5 @@ class PassContext:
         meta = fx_meta(node)
         meta["role"], meta["module"] = "clock", ""
         meta["added_by"] = self.current_pass or "fxdebug"
-        return clock
+        self._clock_nodes[id(gm.graph)] = node
+        return node

@@ -25,6 +25,7 @@ __all__ = [
     "is_kind",
     "is_linear",
     "is_relu",
+    "is_view",
     "register_kind",
 ]
 
@@ -77,6 +78,17 @@ _KINDS: dict[OpKind, tuple[tuple[type, ...], set[Any], set[str]]] = {
         {"add", "add_"},
     ),
     "cat": ((), {torch.cat, torch.concat} | _aten_overloads("cat"), set()),
+    # Ops whose output holds only values already in their input, rearranged or selected: they
+    # cannot create NaN/Inf, and their statistics repeat their input's. Observers skip them.
+    "view": (
+        (nn.Flatten, nn.Unflatten, nn.Identity),
+        {torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze, torch.unsqueeze, torch.t,
+         torch.movedim, torch.swapaxes, torch.narrow, torch.select, operator.getitem}
+        | _aten_overloads("view", "_unsafe_view", "reshape", "permute", "transpose", "t", "unsqueeze", "squeeze",
+                          "expand", "alias", "slice", "select", "narrow", "unflatten", "flatten", "movedim"),
+        {"view", "reshape", "permute", "transpose", "flatten", "unflatten", "unsqueeze", "squeeze", "contiguous",
+         "expand", "expand_as", "view_as", "reshape_as", "t", "movedim", "swapaxes", "narrow", "select"},
+    ),
 }
 
 
@@ -130,6 +142,11 @@ def is_linear(node: Node, gm: torch.nn.Module | None = None) -> bool:
 
 def is_batchnorm(node: Node, gm: torch.nn.Module | None = None) -> bool:
     return is_kind(node, "batchnorm", gm)
+
+
+def is_view(node: Node, gm: torch.nn.Module | None = None) -> bool:
+    """Reshapes, permutes, slices and selections: the output holds only input values."""
+    return is_kind(node, "view", gm)
 
 
 _INPLACE_FUNCS: set[Callable[..., Any]] = {

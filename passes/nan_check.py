@@ -1,12 +1,11 @@
 """``NaNCheck``: where did the NaN (or Inf) come from — forward and, optionally, backward.
 
-``mode="record"`` (the default) never synchronises with the host. Per call and node a probe only
-*keeps references* to two reductions every node's observer already computes (the min, and the
-max or per-channel max: NaN propagates through both, +/-Inf shows in one) plus the call's
-timestamp from the graph clock; every 64 calls, and when the report is read, it folds them into
-"how many calls saw non-finite values" and "the earliest call that did" with a handful of tensor
-ops. The report turns those per-node facts into the origin: the first node, in execution order,
-among those that went non-finite in the earliest such call — its inputs were finite.
+``mode="record"`` (the default) never synchronises with the host. Per call and node it reads one
+reduction — the sum, which NaN and Inf propagate through and which ``StatCollector`` shares — and
+updates, in place, "how many calls saw non-finite values" and "the earliest call that did"
+(compared with the graph clock's device counter). The report turns those per-node facts into the
+origin: the first node, in execution order, among those that went non-finite in the earliest
+such call — its inputs were finite.
 
 ``mode="raise"`` stops at the first node whose output holds NaN/Inf and names it, with exact
 counts and its inputs' ranges. It syncs once per node and call: the one documented exception to
@@ -29,7 +28,6 @@ from fxdebug import NonFiniteError, ObservationContext, PassContext, PassResult,
 
 __all__ = ["NaNCheck"]
 
-_FOLD_EVERY = 64
 _NEVER = torch.iinfo(torch.int64).max
 _OPS = ("placeholder", "call_module", "call_function", "call_method")
 
@@ -41,8 +39,23 @@ def read(t: Any) -> Any:
     return t
 
 
+def has_nonfinite(r: Reductions) -> Tensor:
+    """0-d bool tensor: does the watched tensor hold any NaN or Inf? One ``sum``, no sync.
+
+    NaN propagates through a sum, an Inf makes it +/-Inf (or NaN when both signs meet), so the
+    sum of the tensor is non-finite exactly when an element is — except for finite values so
+    large that their float32 sum overflows (beyond 3e38), which this reports as non-finite too.
+    The sum is shared with ``StatCollector`` on the same node, so together they read it once.
+    """
+    return ~torch.isfinite(r["sum"])
+
+
 class NonFiniteProbe(Probe):
-    """Record-mode probe: per call keeps ``(clock, min, max)`` references; folds them in batches."""
+    """Record-mode probe: counts the calls that saw NaN/Inf and remembers the earliest one.
+
+    State is three 0-d tensors updated in place (fixed size, on the watched tensor's device), so
+    record mode neither syncs nor grows, and ``torch.compile`` sees the same state every call.
+    """
 
     key = "nan-check"
 
@@ -52,7 +65,7 @@ class NonFiniteProbe(Probe):
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
         zero = torch.zeros((), dtype=torch.int64, device=x.device)
-        state: dict[str, Any] = {"pending": [], "bad": zero, "first": torch.full_like(zero, _NEVER)}
+        state: dict[str, Any] = {"bad": zero, "first": torch.full_like(zero, _NEVER), "never": torch.full_like(zero, _NEVER)}
         if self.counts:
             state["nan"], state["inf"] = zero.clone(), zero.clone()
         return state
@@ -60,36 +73,15 @@ class NonFiniteProbe(Probe):
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
         if r.x.numel() == 0:  # an empty tensor (zero-size batch) holds no value, so no non-finite one
             return
-        lo, hi = r.extremes()
-        clock = ctx.clock if ctx.clock is not None else torch.full((), ctx.call, dtype=torch.int64, device=lo.device)
-        state["pending"].append((clock, lo, hi))
+        bad = has_nonfinite(r)
+        clock = ctx.clock if ctx.clock is not None else torch.full((), ctx.call, dtype=torch.int64, device=bad.device)
+        state["bad"].add_(bad)
+        torch.minimum(state["first"], torch.where(bad, clock, state["never"]), out=state["first"])
         if self.counts:
             state["nan"].add_(r["nan"])
             state["inf"].add_(r["inf"])
-        if len(state["pending"]) >= _FOLD_EVERY:
-            self.fold(state)
-
-    @staticmethod
-    def fold(state: dict[str, Any]) -> None:
-        """Turn pending ``(clock, min, max)`` triples into the running counters (tensor ops only)."""
-        pending = state["pending"]
-        if not pending:
-            return
-        clocks = torch.stack([c for c, _, _ in pending])
-        lows = torch.stack([lo for _, lo, _ in pending])
-        highs = [hi.reshape(-1) for _, _, hi in pending]
-        if len({h.numel() for h in highs}) == 1:
-            hi_ok = torch.isfinite(torch.stack(highs)).all(dim=1)
-        else:  # the channel count changed between calls: rare, fold one by one
-            hi_ok = torch.stack([torch.isfinite(h).all() for h in highs])
-        bad = ~(torch.isfinite(lows) & hi_ok)
-        state["bad"] = state["bad"] + bad.sum()
-        first = torch.where(bad, clocks, torch.full_like(clocks, _NEVER)).amin()
-        state["first"] = torch.minimum(state["first"], first)
-        pending.clear()
 
     def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
-        self.fold(state)
         first = read(state["first"])
         out = {"nonfinite_calls": read(state["bad"]), "nonfinite_first_call": None if first in (None, _NEVER) else first}
         if self.counts:
@@ -115,8 +107,8 @@ class RaisingProbe(NonFiniteProbe):
         super().update(state, r, ctx)
         if r.x.numel() == 0:
             return
-        lo, hi = r.extremes()
-        if lo.device.type == "meta" or bool(torch.isfinite(lo) & torch.isfinite(hi).all()):  # the documented sync
+        bad = has_nonfinite(r)
+        if bad.device.type == "meta" or not bool(bad):  # the documented sync
             return
         raise NonFiniteError(self._message(r, ctx), node=self.node_name, module=self.module, op=self.op)
 
@@ -162,21 +154,26 @@ class NaNCheck(fxdebug.Pass):
             (``report().first_nonfinite_grad``): a cheap, precise alternative to
             ``torch.autograd.detect_anomaly``.
         counts: in record mode, also count NaN and Inf elements (two extra passes per node).
+        views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
+            default, since they only rearrange values their input already had.
         where: limit the watched nodes (globs over module paths / node names, or a predicate).
     """
 
     name = "nan-check"
     observe_only = True
 
-    def __init__(self, mode: str = "record", backward: bool = False, *, counts: bool = False, where: Where = None) -> None:
+    def __init__(self, mode: str = "record", backward: bool = False, *, counts: bool = False, views: bool = False,
+                 where: Where = None) -> None:
         super().__init__(where=where)
+        self.views = views
         if mode not in ("record", "raise"):
             raise UsageError(f"NaNCheck(mode={mode!r}): mode is 'record' (no host sync) or 'raise' (stop at the first NaN/Inf).")
         self.mode, self.backward, self.counts = mode, backward, counts
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
-        for node in ctx.nodes(gm, self.where, ops=_OPS, float_outputs=True):
+        skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
+        for node in ctx.nodes(gm, self.where, ops=_OPS, float_outputs=True, predicate=skip_views):
             added.append(ctx.observe(node, self._probe(gm, node)))
         return PassResult(gm, added=[a for a in added if a is not None])
 
