@@ -99,6 +99,8 @@ class StatsProbe(Probe):
 
     def _count_vector(self, numel: int, sampled: int, device: torch.device) -> Tensor:
         """``[numel, sampled, 1]`` as a device tensor, made once per shape (no per-call copy)."""
+        if torch.compiler.is_compiling():  # a constant in the compiled graph; caching it would alias state
+            return torch.tensor([numel, sampled, 1], dtype=torch.float64, device=device)
         key = (numel, sampled, device)
         vec = self._count_vectors.get(key)
         if vec is None:

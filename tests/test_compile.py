@@ -1,0 +1,51 @@
+"""Instrumented modules under torch.compile: no graph breaks caused by fxdebug, no recompiling
+on every call, and statistics that count each call exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxdebug
+from fxdebug.passes import NaNCheck, StatCollector
+
+pytest.importorskip("torch._dynamo")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+
+
+def test_compiled_instrumented_module_counts_each_call_once_without_breaks():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    x = torch.randn(2, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,))
+    explanation = torch._dynamo.explain(dbg)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    dbg.reset()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(dbg, backend="eager")
+    calls = 5
+    with torch.no_grad():
+        for _ in range(calls):
+            out = compiled(x)
+    assert torch.equal(out, model(x))
+    frames = torch._dynamo.utils.counters["frames"]
+    assert frames["ok"] <= 2  # the first call creates the device clock; after that nothing changes
+
+    report = dbg.report()
+    relu = report.row("_2")
+    assert relu["calls"] == calls
+    assert relu["count"] == calls * 2 * 4 * 6 * 6
+    with torch.no_grad():
+        expected = torch.relu(model[1](model[0](x)))
+    assert relu["mean"] == pytest.approx(float(expected.double().mean()), rel=1e-5)
+    assert relu["max"] == pytest.approx(float(expected.max()))
+    assert report.first_nonfinite is None
