@@ -355,8 +355,8 @@ def instrument(
         ctx.specs(gm)  # validates the example inputs against the model, naming the failing node
     manager = PassManager(pass_list)
     gm = manager.run(gm, ctx)
-    if ctx.inputs is not None:
-        ctx.specs(gm)  # shapes for the report and the picture, on the final graph
+    if ctx.inputs is not None and not all(p.observe_only for p in pass_list):
+        ctx.specs(gm)  # a transform made new nodes: learn their shapes for the report and picture
     meta = gm.meta.setdefault("fxdebug", {})
     meta.setdefault("passes", []).extend(manager.results)
     meta["instrument_seconds"] = time.perf_counter() - start
