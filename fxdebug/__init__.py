@@ -32,13 +32,14 @@ from .render import render
 from .report import Report
 from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from .select import Where, matches
-from .tracing import LeafInfo, TraceInfo
+from .tracing import Inputs, LeafInfo, TraceInfo
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DeviceMismatchError",
     "FxDebugError",
+    "Inputs",
     "Instrumented",
     "LeafInfo",
     "Match",

@@ -27,7 +27,7 @@ from torch.fx import Graph, Tracer
 from .errors import TraceError
 from .meta import fx_meta
 
-__all__ = ["LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
+__all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXDEBUG_DIR = os.path.dirname(__file__)
@@ -65,10 +65,28 @@ class TraceInfo:
     captured: dict[str, str] = field(default_factory=dict)
 
 
+class Inputs:
+    """Example inputs that mix positional and keyword arguments: ``Inputs(x, mask=m)``.
+
+    A tensor, a tuple (positional) or a dict (keyword) covers most models; this covers the rest
+    without guessing whether a trailing dict is an argument or the keywords.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        parts = [type(a).__name__ for a in self.args] + [f"{k}=..." for k in self.kwargs]
+        return f"Inputs({', '.join(parts)})"
+
+
 def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Accept a tensor, a tuple/list of positional inputs, or a dict of keyword inputs."""
+    """Accept a tensor, a tuple/list of positional inputs, a dict of keyword inputs, or ``Inputs``."""
     if example_inputs is None:
         return None
+    if isinstance(example_inputs, Inputs):
+        return tuple(example_inputs.args), dict(example_inputs.kwargs)
     if isinstance(example_inputs, dict):
         return (), dict(example_inputs)
     if isinstance(example_inputs, (tuple, list)):

@@ -121,7 +121,7 @@ def _leaves(out: Any) -> list[torch.Tensor]:
 
 
 def _example(inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return kwargs if not inputs else inputs if not kwargs else None
+    return fxdebug.Inputs(*inputs, **kwargs)
 
 
 @pytest.fixture(params=sorted(CASES))
@@ -132,8 +132,6 @@ def case(request: pytest.FixtureRequest) -> tuple[str, nn.Module, tuple[Any, ...
 
 def test_auto_picks_export_and_outputs_are_bitwise_equal(case: Any) -> None:
     name, model, args, kwargs = case
-    if args and kwargs:
-        pytest.skip("mixed positional/keyword inputs are covered by test_star_args_with_keywords")
     keys = list(model.state_dict())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], example_inputs=_example(args, kwargs))
@@ -154,17 +152,12 @@ def test_auto_picks_export_and_outputs_are_bitwise_equal(case: Any) -> None:
 def test_star_args_with_keywords() -> None:
     model = StarArgs()
     x, scale = torch.randn(4, 6), torch.tensor(3.0)
-    from fxdebug.frontends.export import capture_export
-
-    graph, info, space = capture_export(model, ((x,), {"scale": scale}))
-    gm = fxdebug.Instrumented._build(model, graph, info, namespace=space)
-    assert torch.equal(gm(x, scale=scale), model(x, scale=scale))
+    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=fxdebug.Inputs(x, scale=scale))
+    assert torch.equal(dbg(x, scale=scale), model(x, scale=scale))
 
 
 def test_nan_is_located_by_module_path(case: Any) -> None:
     name, model, args, kwargs = case
-    if args and kwargs:
-        pytest.skip("mixed inputs")
     dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=_example(args, kwargs))
     with torch.no_grad():
         model.block.fc.weight[0, 0] = float("nan")
@@ -176,8 +169,6 @@ def test_nan_is_located_by_module_path(case: Any) -> None:
 
 def test_deepcopy_and_save_keep_the_calling_convention(case: Any) -> None:
     name, model, args, kwargs = case
-    if args and kwargs:
-        pytest.skip("mixed inputs")
     dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=_example(args, kwargs))
     ref = _leaves(model(*args, **kwargs))
     clone = copy.deepcopy(dbg)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import collections
 import copy
-import importlib
 import json
 import os
 from typing import Any
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import fxdebug
+from fxdebug.passes import DeviceCheck, Fuse, NaNCheck, PruneMasks, ShapeAssert, StatCollector, SwapActivation
 from fuzz_models import RELU_FORMS, ModelSpec, build, flat_tensors, model_specs
 
 _DEFAULT = 500 if os.environ.get("FXDEBUG_SLOW") else 12
@@ -65,19 +65,8 @@ class WatchAll(fxdebug.Pass):
         return fxdebug.PassResult(gm, added=[a for a in added if a is not None])
 
 
-def _real_pass(name: str, **kwargs: Any) -> fxdebug.Pass | None:
-    """An instance of a library pass, or None while it has not landed yet."""
-    try:
-        cls = getattr(importlib.import_module("fxdebug.passes"), name)
-    except (AttributeError, ImportError):
-        return None
-    return cls(**kwargs)
-
-
 def observe_passes() -> list[fxdebug.Pass]:
-    found = [_real_pass("ShapeAssert"), _real_pass("NaNCheck", backward=True), _real_pass("StatCollector", grads=True),
-             _real_pass("DeviceCheck")]
-    return [WatchAll(), *[p for p in found if p is not None]]
+    return [WatchAll(), ShapeAssert(), NaNCheck(backward=True), StatCollector(grads=True), DeviceCheck()]
 
 
 # -- what "the model's state" is ------------------------------------------------------------------
@@ -227,9 +216,7 @@ def _compare_run(dbg: nn.Module, ref: nn.Module, x: Tensor, seed: int) -> None:
 @FUZZ
 @given(spec=model_specs(), train=st.booleans(), slope=st.sampled_from([0.01, 0.2]))
 def test_swap_activation_equals_a_hand_made_leaky_copy(spec: ModelSpec, train: bool, slope: float) -> None:
-    swap = _real_pass("SwapActivation", negative_slope=slope)
-    if swap is None:
-        pytest.skip("SwapActivation has not landed")
+    swap = SwapActivation(negative_slope=slope)
     model = build(spec).train(train)
     leaky = build(spec, leaky=slope).train(train)
     before = snapshot(model)
@@ -249,9 +236,7 @@ def _tolerance(dtype: torch.dtype) -> dict[str, float]:
 @FUZZ
 @given(spec=model_specs(fusable=True))
 def test_fuse_matches_in_eval_within_tolerance(spec: ModelSpec) -> None:
-    fuse = _real_pass("Fuse")
-    if fuse is None:
-        pytest.skip("Fuse has not landed")
+    fuse = Fuse()
     model = build(spec).eval()
     x = spec.example()
     before = snapshot(model)
@@ -270,9 +255,7 @@ def test_fuse_matches_in_eval_within_tolerance(spec: ModelSpec) -> None:
        structured=st.sampled_from([False, False, "channels"]))
 def test_prune_masks_equals_the_model_with_those_weights_zeroed(spec: ModelSpec, train: bool, amount: float,
                                                                 structured: Any) -> None:
-    prune = _real_pass("PruneMasks", amount=amount, structured=structured)
-    if prune is None:
-        pytest.skip("PruneMasks has not landed")
+    prune = PruneMasks(amount=amount, structured=structured)
     from fxdebug.passes.prune import Masked, sparsity
 
     model = build(spec).train(train)
