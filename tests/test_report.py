@@ -8,7 +8,6 @@ import pathlib
 import re
 
 import pytest
-import torch
 
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
