@@ -49,3 +49,4 @@ def test_compiled_instrumented_module_counts_each_call_once_without_breaks():
     assert relu["mean"] == pytest.approx(float(expected.double().mean()), rel=1e-5)
     assert relu["max"] == pytest.approx(float(expected.max()))
     assert report.first_nonfinite is None
+    assert report.calls == calls and report.row("input_1")["calls"] == calls  # NaNCheck-only row
