@@ -283,6 +283,7 @@ class Observer(nn.Module):
         self._grads = False
         self._channel_dim: int | None = None
         self.states: dict[tuple[str, str], dict[str, Tensor]] = {}
+        self._devices: dict[tuple[str, str], torch.device] = {}  # where each state lives (cheap check)
         self.calls = 0
         object.__setattr__(self, "_clock", clock)  # shared, not a child: one clock per graph
 
@@ -307,6 +308,7 @@ class Observer(nn.Module):
 
     def reset(self) -> None:
         self.states.clear()
+        self._devices.clear()
         self.calls = 0
 
     # -- runtime --------------------------------------------------------------------------------
@@ -337,13 +339,21 @@ class Observer(nn.Module):
             if phase == "grad" and not probe.grads:
                 continue
             state = self.states.get((key, phase))
-            old = None if state is None else _state_device(state)
-            if state is None or (old is not None and old.type == "meta" and x.device.type != "meta"):
-                # nothing yet, or statistics kept on 'meta' (which holds no data): start afresh here
-                state = self.states[(key, phase)] = probe.init_state(x, phase)
-            elif _state_device(state) not in (None, x.device):
-                state = self.states[(key, phase)] = _to_device(state, x.device)
+            if state is None or self._devices.get((key, phase)) != x.device:
+                state = self._state_for(key, phase, probe, state, x)
             probe.update(state, r, ctx)
+
+    def _state_for(self, key: str, phase: str, probe: Probe, state: dict[str, Any] | None, x: Tensor) -> dict[str, Any]:
+        """A probe's state on ``x``'s device: new, or moved there (the model changed device)."""
+        old = None if state is None else _state_device(state)
+        if state is None or (old is not None and old.type == "meta" and x.device.type != "meta"):
+            # nothing yet, or statistics kept on 'meta' (which holds no data): start afresh here
+            state = probe.init_state(x, phase)
+        elif old not in (None, x.device):
+            state = _to_device(state, x.device)
+        self.states[(key, phase)] = state
+        self._devices[(key, phase)] = x.device
+        return state
 
     # -- reading --------------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -369,6 +379,7 @@ class Observer(nn.Module):
         return self.__dict__.copy()
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_devices", {})
         self.__dict__.update(state)
 
 
