@@ -68,7 +68,8 @@ def spec_of(value: Any) -> Any:
 def preserved_state(module: nn.Module) -> Iterator[None]:
     """Run code against ``module`` and put its buffers and the RNG streams back afterwards."""
     saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-    devices = sorted({b.device.index for b in module.buffers() if b.device.type == "cuda"} | set())
+    tensors = list(module.parameters()) + list(module.buffers())
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their RNGs too
     with torch.random.fork_rng(devices=devices, enabled=True):
         try:
             yield
