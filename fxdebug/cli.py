@@ -127,14 +127,17 @@ def _render(args: argparse.Namespace) -> int:
     example = _inputs(args, 1)[0]
     try:
         path = render(model, args.output, example, depth=args.depth, show_instrumentation=args.show_instrumentation)
-    except TraceError:
-        raise
     except FxDebugError as exc:
-        if exc.node is None:
-            raise
-        return _rejected(model, exc, args.output, args.depth)
+        return _rejected_or_raise(model, exc, args)
     print(f"wrote {path}")
     return EXIT_OK
+
+
+def _rejected_or_raise(model: Any, exc: FxDebugError, args: argparse.Namespace) -> int:
+    """An error naming a node means the model rejected the input: report and draw it; else re-raise."""
+    if isinstance(exc, TraceError) or exc.node is None:
+        raise exc
+    return _rejected(model, exc, args.output, args.depth)
 
 
 def _passes(args: argparse.Namespace) -> list[Any]:
@@ -170,12 +173,8 @@ def _check(args: argparse.Namespace) -> int:
     first = batches[0]
     try:
         dbg = fxdebug.instrument(model, passes, example_inputs=first if isinstance(first, dict) else tuple(first))
-    except TraceError:
-        raise
     except FxDebugError as exc:
-        if exc.node is None:
-            raise
-        return _rejected(model, exc, args.output, args.depth)
+        return _rejected_or_raise(model, exc, args)
     failed: FxDebugError | None = None
     progress = Progress(len(batches))
     with torch.no_grad():
