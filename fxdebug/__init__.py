@@ -12,6 +12,7 @@ statistics, devices) or transform it, read a per-node report, and draw the annot
     dbg.render("model.svg")
 """
 
+from .columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
 from .context import PassContext, TensorSpec
 from .errors import (
     DeviceMismatchError,
@@ -37,13 +38,18 @@ from .tracing import Inputs, LeafInfo, TraceInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "COLOR",
+    "Column",
     "DeviceMismatchError",
     "FxDebugError",
+    "HIDDEN",
     "Inputs",
     "Instrumented",
     "LeafInfo",
     "Match",
+    "NONFINITE",
     "NonFiniteError",
+    "ORIGIN",
     "ObservationContext",
     "Observer",
     "Pass",
@@ -61,6 +67,7 @@ __all__ = [
     "TraceError",
     "TraceInfo",
     "UsageError",
+    "VALUE",
     "Where",
     "describe",
     "find_pattern",

@@ -15,11 +15,14 @@ which is what keeps observe-only instrumentation bitwise equal to the model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
+
+from .columns import Column
 
 __all__ = ["SAMPLE", "Clock", "Observer", "Probe", "Reductions", "systematic_sample"]
 
@@ -227,6 +230,9 @@ class Probe:
         channel_dim: which dim of the output holds channels (1 for NCHW, -1 for (N, T, D)), or
             ``None``. The observer gives the first probe's non-``None`` value to ``Reductions``,
             so probes on one node agree on it and share the per-channel pass.
+        columns: the ``fxdebug.Column`` declarations of the keys ``summary`` returns (roles such
+            as ``ORIGIN`` and ``COLOR`` tell the report, table, picture and CLI what they mean).
+            Keys left undeclared are shown as plain values.
 
     ``update`` must use tensor ops only in record mode (no ``.item()``, ``bool()``, ``if t:``).
     State values may be tensors (kept on the observed tensor's device), Python numbers (host
@@ -238,6 +244,7 @@ class Probe:
     grads: bool = False
     wants_inputs: bool = False
     channel_dim: int | None = None
+    columns: Sequence[Column] = ()
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Tensor]:
         """Fresh state for a tensor like ``x`` (same device); ``phase`` is "forward" or "grad"."""
@@ -356,6 +363,17 @@ class Observer(nn.Module):
         return state
 
     # -- reading --------------------------------------------------------------------------------
+    def columns(self) -> list[Column]:
+        """Every probe's column declarations (grad-phase ones only for probes that watch grads)."""
+        out: list[Column] = []
+        for probe in self.probes.values():
+            for c in probe.columns:
+                if probe.grads or c.phase == "forward":
+                    out.append(c)
+                elif c.phase == "both":
+                    out.append(dataclasses.replace(c, phase="forward"))
+        return out
+
     def summary(self) -> dict[str, Any]:
         """Every probe's numbers for this node, keys prefixed ``grad_`` for the gradient phase."""
         out: dict[str, Any] = {}

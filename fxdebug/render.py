@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 from torch.fx import GraphModule
 
+from .context import PassContext
 from .errors import FxDebugError, UsageError
 from .render_dot import (
     COLORS,
@@ -97,22 +98,17 @@ def render(
 
 
 def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, Any]:
-    """The graph to draw and the report to annotate it with."""
-    from .context import PassContext
-    from .instrumented import Instrumented, trace
+    """The graph to draw and the report to annotate it with.
 
-    if isinstance(obj, GraphModule):
-        gm = obj
-    elif isinstance(obj, nn.Module):
-        gm = trace(obj, example_inputs)
-    else:
+    A plain module is traced by ``fxdebug.render`` (``api.py``) before it gets here, and an
+    ``Instrumented`` module passes its own report; this module only draws graphs.
+    """
+    if not isinstance(obj, GraphModule):
         hint = " (it is a class: instantiate it first)" if isinstance(obj, type) else ""
         raise UsageError(f"render() needs an nn.Module or a GraphModule; got {type(obj).__name__}{hint}.")
     if example_inputs is not None:
-        PassContext(example_inputs).specs(gm)  # writes shape/dtype/device into node meta
-    if report is None and isinstance(gm, Instrumented) and gm.observers():
-        report = gm.report()
-    return gm, report
+        PassContext(example_inputs).specs(obj)  # writes shape/dtype/device into node meta
+    return obj, report
 
 
 def run_dot(dot_path: str, out_path: str, fmt: str = "svg") -> None:

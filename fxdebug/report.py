@@ -2,7 +2,9 @@
 
 Building a report is the one place fxdebug reads device values back to the host. Rows are plain
 dicts (``node``, ``module``, ``op``, ``shape``, ``dtype``, ``device``, then whatever the probes
-summarised). The NaN/Inf origin is derived here from the probes' ``nonfinite_first_call`` keys:
+summarised). Which key means what comes from the probes' column declarations (``Column``,
+``Probe.columns``): ``Report.columns`` lists them, and the NaN/Inf origin is derived from the
+columns with the ``ORIGIN`` role:
 
 * forward: the first node, in execution order, among those that saw non-finite values in the
   earliest call that saw any — its inputs were finite, so it is where the values went bad;
@@ -19,17 +21,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from torch.fx import GraphModule, Node
 
+from .columns import NONFINITE, ORIGIN, Column, columns_with, resolve_columns
 from .meta import is_instrumentation, module_path, op_label
 from .observe import Observer
 
-__all__ = ["Report", "build_report"]
-
-_FIRST = "nonfinite_first_call"
-_GRAD_FIRST = "grad_nonfinite_first_call"
+__all__ = ["Report", "build_report", "merge_reports"]
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Report:
     frontend: str = "symbolic"
     notes: list[str] = field(default_factory=list)
     calls: int = 0
+    columns: list[Column] = field(default_factory=lambda: resolve_columns(()))
 
     # -- lookup ---------------------------------------------------------------------------------
     def row(self, node: str) -> dict[str, Any]:
@@ -54,15 +55,29 @@ class Report:
     def __getitem__(self, node: str) -> dict[str, Any]:
         return self.row(node)
 
+    def column(self, key: str) -> Column | None:
+        """The declaration of row key ``key`` (``None`` for a key no probe declared)."""
+        return next((c for c in self.columns if c.key == key), None)
+
+    def columns_with(self, role: str, phase: str | None = None) -> list[Column]:
+        """Declared columns holding ``role`` (``fxdebug.ORIGIN``, ``COLOR``, ...), of ``phase`` if given."""
+        return columns_with(self.columns, role, phase)
+
+    def nonfinite_in(self, row: dict[str, Any], phase: str | None = None) -> bool:
+        """Whether ``row`` saw a non-finite value, by its ``NONFINITE`` and ``ORIGIN`` columns."""
+        return any(row.get(c.key) for c in self.columns_with(NONFINITE, phase)) or any(
+            row.get(c.key) is not None for c in self.columns_with(ORIGIN, phase))
+
     @property
     def nonfinite_nodes(self) -> list[str]:
-        return [r["node"] for r in self.rows if r.get("nonfinite_calls")]
+        """Nodes whose output went non-finite in some forward call, in graph order."""
+        return [r["node"] for r in self.rows if self.nonfinite_in(r, "forward")]
 
     @property
     def ok(self) -> bool:
         """No non-finite value seen, forward or backward."""
         return self.first_nonfinite is None and self.first_nonfinite_grad is None and not any(
-            r.get("nonfinite_calls") or r.get("grad_nonfinite_calls") for r in self.rows)
+            self.nonfinite_in(r) for r in self.rows)
 
     # -- export ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -74,6 +89,7 @@ class Report:
             "nonfinite_grad_from": self.nonfinite_grad_from,
             "auto_leaves": self.auto_leaves,
             "notes": self.notes,
+            "columns": [c.to_dict() for c in self.columns],
             "rows": self.rows,
         }
 
@@ -89,7 +105,12 @@ class Report:
             import pandas as pd
         except ImportError:
             raise ImportError("Report.to_dataframe() needs pandas: pip install 'fxdebug[report]' (or pip install pandas).") from None
-        return pd.DataFrame(self.rows)
+        keys = [c.key for c in self.columns]
+        present = {k for r in self.rows for k in r}
+        order = [k for k in keys if k in present] + sorted(present - set(keys))
+        df = pd.DataFrame(self.rows, columns=order)
+        df.attrs["fxdebug_columns"] = {c.key: c.to_dict() for c in self.columns if c.key in present}
+        return df
 
     def __str__(self) -> str:
         from .table import format_report
@@ -135,6 +156,7 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
     nodes = list(gm.graph.nodes)
     order = {n.name: i for i, n in enumerate(nodes)}
     observers: dict[str, Any] = {}
+    declared: list[Column] = []
     for n in nodes:
         meta = n.meta.get("fxdebug", {})
         if n.op == "call_module" and meta.get("role") == "instrumentation" and "observes" in meta:
@@ -150,33 +172,81 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
                 continue
             row = _base_row(node)
             obs = observers[name]
+            declared.extend(obs.columns())
             row["calls"] = obs.calls or calls  # under torch.compile only the device clock counts
             row.update(obs.summary())
             rows.append(row)
     else:
         rows = [_base_row(n) for n in nodes if n.op in ("call_module", "call_function", "call_method") and not is_instrumentation(n)]
-    entered = _backward_origin(rows)
+    columns = resolve_columns(declared)
+    entered = _backward_origin(rows, columns)
     return Report(
         rows=rows,
-        first_nonfinite=_forward_origin(rows),
+        first_nonfinite=_forward_origin(rows, columns),
         first_nonfinite_grad=entered,
         nonfinite_grad_from=_grad_producers(entered, by_name),
         auto_leaves=dict(auto_leaves or {}),
         frontend=frontend,
         notes=list(notes),
         calls=calls,
+        columns=columns,
     )
 
 
-def _forward_origin(rows: list[dict[str, Any]]) -> str | None:
-    seen = [(r[_FIRST], i) for i, r in enumerate(rows) if r.get(_FIRST) is not None]
+def merge_reports(parts: Mapping[str, Report], *, frontend: str = "symbolic", notes: Sequence[str] = ()) -> Report:
+    """One report over a capture's parts (``Instrumented.parts()``), in execution order.
+
+    Rows of the part at path ``p`` read ``p/node`` (module ``p.module``); the part ``""`` (a
+    single-graph capture) keeps its names. The NaN/Inf origins are derived over all rows, by the
+    same rules as for one graph.
+    """
+    rows: list[dict[str, Any]] = []
+    all_notes, leaves = list(notes), {}
+    grad_from: dict[str, list[str]] = {}
+    for path, rep in parts.items():
+        prefix = f"{path}/" if path else ""
+        for row in rep.rows:
+            rows.append(dict(row, node=prefix + row["node"], module=f"{path}.{row['module']}".strip("."))
+                        if path else row)
+        if rep.first_nonfinite_grad is not None:
+            grad_from[prefix + rep.first_nonfinite_grad] = [prefix + n for n in rep.nonfinite_grad_from]
+        all_notes.extend(f"{path}: {n}" if path else n for n in rep.notes)
+        leaves.update({(f"{path}.{k}" if path else k): v for k, v in rep.auto_leaves.items()})
+    columns = resolve_columns(c for rep in parts.values() for c in rep.columns)
+    entered = _backward_origin(rows, columns)
+    return Report(
+        rows=rows,
+        first_nonfinite=_forward_origin(rows, columns),
+        first_nonfinite_grad=entered,
+        nonfinite_grad_from=grad_from.get(entered, []) if entered is not None else [],
+        auto_leaves=leaves,
+        frontend=frontend,
+        notes=all_notes,
+        calls=max((rep.calls for rep in parts.values()), default=0),
+        columns=columns,
+    )
+
+
+def _first_calls(rows: list[dict[str, Any]], columns: list[Column], phase: str) -> list[tuple[int, int]]:
+    """``(earliest call, row index)`` of every row that an ``ORIGIN`` column of ``phase`` marks."""
+    keys = [c.key for c in columns_with(columns, ORIGIN, phase)]
+    seen = []
+    for i, r in enumerate(rows):
+        calls = [r[k] for k in keys if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        if calls:
+            seen.append((min(calls), i))
+    return seen
+
+
+def _forward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str | None:
+    seen = _first_calls(rows, columns, "forward")
     if not seen:
         return None
     return rows[min(seen)[1]]["node"]
 
 
-def _backward_origin(rows: list[dict[str, Any]]) -> str | None:
-    seen = [(r[_GRAD_FIRST], i) for i, r in enumerate(rows) if r.get(_GRAD_FIRST) is not None]
+def _backward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str | None:
+    seen = _first_calls(rows, columns, "grad")
     if not seen:
         return None
     earliest = min(c for c, _ in seen)

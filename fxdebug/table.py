@@ -5,19 +5,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .columns import Column, resolve_columns
+
 __all__ = ["format_report", "format_value"]
 
-# Column order for the statistics probes commonly produce; others follow alphabetically.
-_PREFERRED = [
-    "node", "module", "op", "shape", "dtype", "calls",
-    "mean", "std", "min", "max", "mean_abs", "zero_frac", "dead_frac", "norm",
-    "nonfinite_calls", "nan", "inf",
-    "grad_mean", "grad_std", "grad_min", "grad_max", "grad_norm", "grad_zero_frac", "grad_nonfinite_calls",
-]
-_HIDDEN = {"device", "count", "grad_count", "grad_calls", "channels", "grad_mean_abs", "nonfinite_first_call", "grad_nonfinite_first_call", "added_by", "changed_by", "auto_leaf"}
 
 
-def format_value(v: Any) -> str:
+def format_value(v: Any, column: Column | None = None) -> str:
+    """``v`` as the table writes it: by ``column.format`` when declared, else a compact number."""
+    if column is not None:
+        text = column.format_value(v)
+        if text is not None:
+            return text
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -35,12 +34,17 @@ def format_value(v: Any) -> str:
     return str(v)
 
 
-def _columns(rows: list[dict[str, Any]]) -> list[str]:
+def _columns(report: Any) -> list[Column]:
+    """Declared, shown columns that some row fills (in declaration order), then undeclared keys
+    alphabetically (a probe that declares nothing still gets its numbers shown)."""
+    rows = report.rows
     present: set[str] = set()
     for r in rows:
         present.update(k for k, v in r.items() if v is not None and not isinstance(v, (dict, list)) or k == "shape")
-    cols = [c for c in _PREFERRED if c in present]
-    cols += sorted(c for c in present if c not in cols and c not in _HIDDEN)
+    declared = list(getattr(report, "columns", None) or resolve_columns(()))
+    keys = {c.key for c in declared}
+    cols = [c for c in declared if c.key in present and c.shown]
+    cols += [Column(k) for k in sorted(present - keys)]
     return cols
 
 
@@ -83,10 +87,10 @@ def _format_rich(report: Any, max_rows: int) -> str:
     lines = _header(report)
     if not rows:
         return "\n".join(lines + ["(no observed nodes)"])
-    cols = _columns(rows)
-    table = Table(*cols, box=None, pad_edge=False, show_edge=False)
+    cols = _columns(report)
+    table = Table(*(c.key for c in cols), box=None, pad_edge=False, show_edge=False)
     for r in rows[:max_rows]:
-        table.add_row(*(format_value(r.get(c)) for c in cols))
+        table.add_row(*(format_value(r.get(c.key), c) for c in cols))
     buf = io.StringIO()
     Console(file=buf, width=max(120, 14 * len(cols)), color_system=None, force_terminal=False).print(table)
     text = "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
@@ -99,11 +103,11 @@ def _format_plain(report: Any, max_rows: int) -> str:
     lines = _header(report)
     if not rows:
         return "\n".join(lines + ["(no observed nodes)"])
-    cols = _columns(rows)
+    cols = _columns(report)
     shown = rows[:max_rows]
-    cells = [[format_value(r.get(c)) for c in cols] for r in shown]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines.append("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    cells = [[format_value(r.get(c.key), c) for c in cols] for r in shown]
+    widths = [max(len(c.key), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines.append("  ".join(c.key.ljust(w) for c, w in zip(cols, widths)))
     lines.append("  ".join("-" * w for w in widths))
     for row in cells:
         lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())

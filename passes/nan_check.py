@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
+from fxdebug import HIDDEN, NONFINITE, ORIGIN, Column, NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
 
 __all__ = ["NaNCheck"]
 
@@ -50,6 +50,18 @@ def has_nonfinite(r: Reductions) -> Tensor:
     return ~torch.isfinite(r["sum"])
 
 
+def nonfinite_columns(counts: bool) -> tuple[Column, ...]:
+    """What ``NaNCheck`` reports: calls that saw NaN/Inf (forward and grad) and the earliest one."""
+    cols = (Column("nonfinite_calls", roles=NONFINITE, phase="both", format="d",
+                   doc="calls in which the output held NaN or Inf"),
+            Column("nonfinite_first_call", roles=(ORIGIN, HIDDEN), phase="both",
+                   doc="index of the earliest call that saw NaN/Inf (the origin is derived from it)"))
+    if counts:
+        cols += (Column("nan", phase="both", format="d", doc="NaN elements seen, over all calls"),
+                 Column("inf", phase="both", format="d", doc="Inf elements seen, over all calls"))
+    return cols
+
+
 class NonFiniteProbe(Probe):
     """Record-mode probe: counts the calls that saw NaN/Inf and remembers the earliest one.
 
@@ -62,6 +74,7 @@ class NonFiniteProbe(Probe):
     def __init__(self, *, grads: bool = False, counts: bool = False) -> None:
         self.grads = grads
         self.counts = counts
+        self.columns = nonfinite_columns(counts)
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
         zero = torch.zeros((), dtype=torch.int64, device=x.device)

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug import COLOR, HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
 
 from .nan_check import read
 
@@ -63,6 +63,29 @@ def channel_dim_of(node: Node, ndim: int, gm: GraphModule) -> int | None:
     return -1
 
 
+def stats_columns(counts: bool) -> tuple[Column, ...]:
+    """What ``StatCollector`` reports, forward and (``grad_*``) backward."""
+    cols = (
+        Column("mean", phase="both", doc="mean over every element seen"),
+        Column("std", phase="both", doc="population standard deviation over every element seen"),
+        Column("min", phase="both", doc="smallest value seen"),
+        Column("max", phase="both", doc="largest value seen"),
+        Column("mean_abs", phase="forward", doc="mean of |x|"),
+        Column("mean_abs", roles=HIDDEN, phase="grad", doc="mean of |grad|"),
+        Column("zero_frac", phase="both", doc="share of elements exactly zero"),
+        Column("dead_frac", roles=COLOR, threshold=0.5, doc="share of channels never positive (dead ReLU units)"),
+        Column("norm", phase="both", doc="mean per-call L2 norm"),
+        Column("count", roles=HIDDEN, phase="both", doc="elements seen over all calls"),
+        Column("calls", roles=HIDDEN, phase="grad", doc="backward calls observed"),
+        Column("channels", roles=HIDDEN, doc="channels of the output"),
+        Column("sampled_frac", roles=HIDDEN, phase="both", doc="share of elements read by sampled statistics"),
+    )
+    if counts:
+        cols += (Column("nan", phase="both", format="d", doc="NaN elements seen, over all calls"),
+                 Column("inf", phase="both", format="d", doc="Inf elements seen, over all calls"))
+    return cols
+
+
 class StatsProbe(Probe):
     """Accumulates the statistics of one node's output (and gradient); see the module docstring.
 
@@ -81,6 +104,7 @@ class StatsProbe(Probe):
         self.counts = counts
         self.channel_dim = channel_dim
         self.exact = exact
+        self.columns = stats_columns(counts)
         self._count_vectors: dict[tuple[int, int, torch.device], Tensor] = {}
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:

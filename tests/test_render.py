@@ -26,6 +26,9 @@ class StatsProbe(fxdebug.Probe):
     """Last call's mean/min/max, zero and dead fractions; calls that saw NaN/Inf and the first one."""
 
     key = "test-stats"
+    columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5),
+               fxdebug.Column("nonfinite_calls", roles=fxdebug.NONFINITE),
+               fxdebug.Column("nonfinite_first_call", roles=(fxdebug.ORIGIN, fxdebug.HIDDEN)))
 
     def init_state(self, x, phase):
         z = torch.zeros((), device=x.device)
