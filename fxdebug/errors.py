@@ -8,6 +8,7 @@ The hierarchy::
     ├── ShapeMismatchError  (FxDebugError, ValueError)     a tensor's shape is not what the graph expects
     ├── NonFiniteError      (FxDebugError, FloatingPointError)   NaN/Inf appeared (raise mode)
     ├── DeviceMismatchError (FxDebugError, RuntimeError)   an op's inputs sit on different devices
+    ├── InplaceError        (FxDebugError, RuntimeError)   an in-place op would overwrite a tensor saved for backward
     └── UsageError          (FxDebugError, TypeError)      fxdebug was called with the wrong kind of thing
 
 Each subclass also inherits the builtin a user would already catch, so ``except ValueError``
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "DeviceMismatchError",
     "FxDebugError",
+    "InplaceError",
     "NonFiniteError",
     "PassError",
     "ShapeMismatchError",
@@ -82,6 +84,24 @@ class NonFiniteError(FxDebugError, FloatingPointError):
 
 class DeviceMismatchError(FxDebugError, RuntimeError):
     """An op's tensor inputs (parameters included) sit on different devices."""
+
+
+class InplaceError(FxDebugError, RuntimeError):
+    """An in-place op would overwrite a tensor autograd saved for backward (``InplaceCheck``).
+
+    ``node`` is the op that modifies the tensor; ``saved_by`` the node whose backward needs it.
+    """
+
+    def __init__(self, message: str, *, saved_by: str | None = None, **context: str | None) -> None:
+        super().__init__(message, **context)
+        self.saved_by = saved_by
+
+    def __reduce__(self):
+        return (_rebuild_inplace, (self.message, self.node, self.module, self.op, self.pass_name, self.saved_by))
+
+
+def _rebuild_inplace(message, node, module, op, pass_name, saved_by):
+    return InplaceError(message, node=node, module=module, op=op, pass_name=pass_name, saved_by=saved_by)
 
 
 class UsageError(FxDebugError, TypeError):

@@ -20,6 +20,7 @@ _WHERE = {
     "SwapActivation": "swap_activation",
     "Fuse": "fuse",
     "PruneMasks": "prune",
+    "InplaceCheck": "inplace_check",
 }
 
 __all__ = sorted(_WHERE)
