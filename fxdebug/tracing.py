@@ -17,6 +17,7 @@ import re
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -25,6 +26,7 @@ from torch import nn
 from torch.fx import Graph, Tracer
 
 from .errors import TraceError
+from .faithful import StateWrite, has_call_hooks, patched_for_tracing
 from .meta import fx_meta
 
 __all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
@@ -101,6 +103,12 @@ class _FailureLocatingTracer(Tracer):
         super().__init__()
         self.record_stack_traces = False  # torch's recorder costs ~0.3 ms a node; ours walks frames
         self._leaves = leaves
+        self.hooked: set[str] = set()
+
+    def trace(self, root: Any, concrete_args: Any = None) -> Graph:
+        # autograd.Functions, grad-mode/autocast regions and attribute writes: see fxdebug.faithful
+        with patched_for_tracing(self, root):
+            return super().trace(root, concrete_args)
 
     def create_node(self, *args: Any, **kwargs: Any) -> Any:
         node = super().create_node(*args, **kwargs)
@@ -108,7 +116,19 @@ class _FailureLocatingTracer(Tracer):
             node.stack_trace = _user_frame_text()
         return node
 
+    def create_arg(self, a: Any) -> Any:
+        # FX turns every dict into a plain dict literal; an OrderedDict the model builds (an FPN's
+        # feature maps) must stay one, or code downstream that was captured with it rejects it.
+        if type(a) is OrderedDict:
+            return self.create_node("call_function", OrderedDict, (self.create_arg(list(a.items())),), {})
+        return super().create_arg(a)
+
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name and has_call_hooks(m):
+            # tracing through a hooked module would run its hooks once, now; called as a module, they
+            # run at every call, as in the model
+            self.hooked.add(module_qualified_name)
+            return True
         return module_qualified_name in self._leaves or super().is_leaf_module(m, module_qualified_name)
 
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
@@ -210,9 +230,38 @@ def capture_symbolic(
         for name in [k for k in model.__dict__ if k not in own_attributes]:
             info.constants[name] = model.__dict__.pop(name)
     info.concrete_args = concrete
+    _fresh_list_arguments(graph)
     _annotate(graph, model, info)
     info.seconds = time.perf_counter() - start
     return graph, info
+
+
+def _fresh_list_arguments(graph: Graph) -> None:
+    """Give each call of a ``torch.fx.wrap``-ped function fresh lists/dicts, as plain FX code does.
+
+    A list literal in a node's arguments is stored as FX's ``immutable_list``. The generated
+    ``forward`` writes it out as a new list every call, but an ``Interpreter`` (the example run,
+    checks) passes the stored object itself, so a wrapped helper that mutates its list argument
+    (torchvision's Swin3D ``_get_window_and_shift_size``) fails there. A ``list(...)`` node before
+    such calls makes every way of running the graph hand over a fresh, mutable copy.
+    """
+    for node in list(graph.nodes):
+        if node.op != "call_function" or _is_library_function(node.target):
+            continue
+        def thaw(value: Any) -> Any:
+            if not isinstance(value, (list, dict)):
+                return value
+            with graph.inserting_before(node):
+                return graph.call_function(list if isinstance(value, list) else dict, (value,))
+        node.args = tuple(thaw(a) for a in node.args)
+        node.kwargs = {k: thaw(v) for k, v in node.kwargs.items()}
+
+
+def _is_library_function(target: Any) -> bool:
+    """Torch ops, operators and builtins never mutate their list arguments; user helpers may."""
+    module = getattr(target, "__module__", None) or ""
+    return (not callable(target) or module.split(".")[0] in ("torch", "_operator", "operator", "builtins", "math")
+            or target is OrderedDict or target in (list, dict, tuple))
 
 
 def _trace_with_leaves(
@@ -228,7 +277,7 @@ def _trace_with_leaves(
     for _ in range(max_attempts):
         tracer = _FailureLocatingTracer(leaves)
         try:
-            return tracer.trace(model, concrete_args=concrete or None)
+            graph = tracer.trace(model, concrete_args=concrete or None)
         except Exception as exc:
             failed = getattr(exc, "_fxdebug_module", "")
             if failed and auto_leaf and failed not in leaves:
@@ -243,12 +292,27 @@ def _trace_with_leaves(
                 info.notes.append(f"pinned forward arguments to their defaults: {sorted(fixed)}")
                 continue
             raise _trace_error(model, failed, exc, auto_leaf) from exc
+        for path in sorted(tracer.hooked - set(info.auto_leaves)):
+            info.auto_leaves[path] = LeafInfo(
+                path, type(model.get_submodule(path)).__name__,
+                "has forward/backward hooks: called as a module so that they run at every call", None)
+        if has_call_hooks(model):
+            info.notes.append("the model's own forward/backward hooks run at every call of the instrumented module")
+        return graph
     raise TraceError(f"tracing {type(model).__name__} did not converge after {max_attempts} attempts.")
 
 
 def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool) -> TraceError:
     where = _user_location(exc)
     at = f" at {where}" if where else ""
+    if isinstance(exc, StateWrite) and not failed:
+        return TraceError(
+            f"the root forward of {type(model).__name__}{at} assigns self.{exc.name} (it updates a {exc.kind} of the model). "
+            "A symbolic graph cannot perform it and the root cannot stay eager; nothing was written to the model. "
+            "Use frontend='export' (it performs buffer updates) or frontend='subtrees' (keeps the root eager), "
+            "or move the update into a submodule.",
+            module="", op=type(model).__name__,
+        )
     if failed:
         typ = type(model.get_submodule(failed)).__name__
         return TraceError(

@@ -25,17 +25,28 @@ import logging
 import inspect
 import re
 import time
+from collections import OrderedDict
 from typing import Any, Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule
+from torch.fx import _pytree as fx_pytree
 
 from ..errors import TraceError, UsageError
 from ..meta import _clean_export_path, fx_meta
 from ..tracing import TraceInfo
 
 __all__ = ["InputGuard", "capture_export"]
+
+# An export graph flattens its inputs against the spec it was captured with. torch knows how to
+# flatten a plain dict against a dict spec, but has no rule for OrderedDict, so a part captured on an
+# FPN's OrderedDict rejected the same feature maps arriving as a dict (and the reverse needs the dict
+# rule only). Keys are read in the captured order either way.
+if OrderedDict not in fx_pytree.SUPPORTED_NODES:
+    fx_pytree.register_pytree_flatten_spec(
+        OrderedDict, lambda d, spec: [d[k] for k in spec.context],
+        lambda d, spec: len(d) == spec.num_children)
 
 _UNKNOWN_TYPE = re.compile(r"Found <class '([^']+)'> in output")
 
