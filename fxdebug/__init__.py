@@ -24,12 +24,12 @@ from .errors import (
     UsageError,
 )
 from .graph_nx import to_networkx
-from .instrumented import Instrumented, instrument, trace
+from .api import instrument, render, trace
+from .instrumented import Instrumented
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import SAMPLE, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
 from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
-from .render import render
 from .report import Report
 from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from .select import Where, matches

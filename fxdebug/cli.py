@@ -107,7 +107,7 @@ def _inputs(args: argparse.Namespace, n: int) -> list[Any]:
 
 def _rejected(model: Any, exc: FxDebugError, out: str | None, depth: int | None) -> int:
     """The model rejected its input: say where, draw the failing node if asked, exit 1."""
-    from .render import render
+    from .api import render
 
     _err(f"the model rejected the input: {exc}")
     if out and exc.node is not None:
@@ -121,7 +121,7 @@ def _rejected(model: Any, exc: FxDebugError, out: str | None, depth: int | None)
 
 def _render(args: argparse.Namespace) -> int:
     from .cli_support import load_target
-    from .render import render
+    from .api import render
 
     model = load_target(args.target)
     example = _inputs(args, 1)[0]

@@ -21,10 +21,12 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 
+from .diagnose import op_failure
 from .errors import FxDebugError, PassError
 from .meta import fx_meta, is_instrumentation, module_path, op_label
 from .observe import Clock, Observer, Probe
 from .select import Where, matches
+from .tracing import normalize_inputs
 
 __all__ = ["PassContext", "TensorSpec"]
 
@@ -131,8 +133,6 @@ class _SpecRecorder(Interpreter):
         except FxDebugError:
             raise
         except Exception as exc:
-            from .diagnose import op_failure  # local import: diagnose imports context helpers
-
             args = self.fetch_args_kwargs_from_env(n)[0] if n.op != "placeholder" else ()
             raise op_failure(n, exc, args, when="running the example inputs") from exc
         spec = self.specs[n.name] = spec_of(value)
@@ -160,8 +160,6 @@ class PassContext:
         prior_report: Any = None,
         instruments: Iterable[Any] = (),
     ) -> None:
-        from .tracing import normalize_inputs
-
         self.example_inputs = example_inputs
         self.inputs = normalize_inputs(example_inputs)
         self.prior_report = prior_report

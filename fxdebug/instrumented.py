@@ -1,4 +1,4 @@
-"""``Instrumented`` — the GraphModule users get back — and ``trace`` / ``instrument``.
+"""``Instrumented``: the GraphModule users get back, and the one capture type every frontend returns.
 
 An ``Instrumented`` module holds the user's model's own submodules, parameters and buffers (the
 same objects, not copies), so training it trains the model, ``state_dict()`` keys are the
@@ -8,6 +8,12 @@ state. The model itself is never modified.
 
 When an op fails inside the instrumented forward, the error is re-raised as a typed fxdebug
 error naming the node (see ``diagnose``); on the success path nothing is added to the call.
+
+A capture is made of *parts*: ``parts()`` maps a module path to the ``Instrumented`` graph that
+stands for it. A symbolic or export capture is one part (``{"": self}``); the subtrees frontend
+gives several (``frontends/subtrees.py``). ``observers()``, ``reset()`` and ``report()`` loop over
+the parts, so no caller needs to know which frontend made the module. The entry points
+``trace`` / ``instrument`` / ``render`` live in ``api.py``.
 """
 
 from __future__ import annotations
@@ -23,17 +29,15 @@ from torch.fx import Graph, GraphModule
 
 from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
-from .errors import FxDebugError, TraceError, UsageError
+from .errors import FxDebugError
 from .meta import fx_meta
 from .observe import Clock, Observer
-from .passes_api import Pass, PassManager, validate_passes
-from .report import Report, build_report
+from .render import render as draw
+from .report import Report, build_report, merge_reports
 from .serialize import deserialize_graph, encode_pytree_info, serialize_graph
-from .tracing import TraceInfo, capture_symbolic, normalize_inputs
+from .tracing import TraceInfo
 
-__all__ = ["Instrumented", "instrument", "trace"]
-
-_FRONTENDS = ("auto", "symbolic", "export", "subtrees")
+__all__ = ["Instrumented"]
 
 
 class Instrumented(GraphModule):
@@ -87,8 +91,38 @@ class Instrumented(GraphModule):
     def pass_results(self) -> list[Any]:
         return self.meta.get("fxdebug", {}).get("passes", [])
 
+    def parts(self) -> dict[str, "Instrumented"]:
+        """``{module path: Instrumented}`` for every captured part, in execution order.
+
+        One graph (symbolic or export capture) is one part, the module itself under ``""``.
+        """
+        return {"": self}
+
+    def replace_part(self, path: str, new: "Instrumented") -> "Instrumented":
+        """The module with part ``path`` replaced by ``new`` (what a pass pipeline returned)."""
+        if path != "":
+            raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
+        return new
+
+    def recorded_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The ``(args, kwargs)`` this part was called with when its frontend recorded the model.
+
+        Handed over once, to the pass pipeline (``None`` for a part captured from the caller's inputs).
+        """
+        return self.__dict__.pop("_recorded_inputs", None)
+
     def observers(self) -> dict[str, Observer]:
-        """``{observed node name: Observer}`` for every observed node, in graph order."""
+        """``{observed node name: Observer}`` for every observed node, in graph order.
+
+        Nodes of a part other than the root read ``path/node``.
+        """
+        out: dict[str, Observer] = {}
+        for path, part in self.parts().items():
+            prefix = f"{path}/" if path else ""
+            out.update({prefix + name: obs for name, obs in part._own_observers().items()})
+        return out
+
+    def _own_observers(self) -> dict[str, Observer]:
         out = {}
         for n in self.graph.nodes:
             if n.op == "call_module" and fx_meta(n).get("role") == "instrumentation":
@@ -101,34 +135,75 @@ class Instrumented(GraphModule):
             return None
         return next((m for m in space.children() if isinstance(m, Clock)), None)
 
-    def report(self) -> Report:
-        """What the observe passes saw since the last ``reset()`` (reading it syncs the device)."""
-        info = self.trace_info
-        clock = self._clock()
-        notes = list(info.notes)
+    def _own_notes(self) -> list[str]:
+        notes = list(self.trace_info.notes)
         for res in self.pass_results:
             notes.extend(f"{res.pass_name}: {n}" for n in res.notes)
+        return notes
+
+    def _part_report(self) -> Report:
+        """This graph's own observations, as if it were the whole model."""
+        info = self.trace_info
+        clock = self._clock()
         return build_report(
             self,
             auto_leaves={k: str(v) for k, v in info.auto_leaves.items()},
             frontend=info.frontend,
-            notes=notes,
+            notes=self._own_notes(),
             calls=clock.calls if clock is not None else 0,
         )
 
+    def _summary_notes(self) -> list[str]:
+        """Notes about the capture as a whole, beyond its parts' own (none for a single graph)."""
+        return []
+
+    def report(self) -> Report:
+        """What the observe passes saw since the last ``reset()`` (reading it syncs the device)."""
+        reports = {path: part._part_report() for path, part in self.parts().items()}
+        return merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
+
     def reset(self) -> None:
         """Forget every statistic collected so far."""
-        for obs in self.observers().values():
-            obs.reset()
-        clock = self._clock()
-        if clock is not None:
-            clock.reset()
+        for part in self.parts().values():
+            for obs in part._own_observers().values():
+                obs.reset()
+            clock = part._clock()
+            if clock is not None:
+                clock.reset()
 
-    def render(self, path: str, **kwargs: Any) -> str:
+    def learn_shapes(self, example_inputs: Any) -> None:
+        """Run ``example_inputs`` once to write every node's shape, dtype and device into its meta."""
+        PassContext(example_inputs).specs(self)
+
+    def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
         """Draw the annotated graph to ``path`` (SVG); see ``fxdebug.render``."""
-        from .render import render
+        if example_inputs is not None:
+            self.learn_shapes(example_inputs)
+        report = kwargs.pop("report", None)
+        if report is None and self.observers():
+            report = self.report()
+        return draw(self, path, report=report, **kwargs)
 
-        return render(self, path, **kwargs)
+    def retrace(self) -> "Instrumented":
+        """A new ``Instrumented`` over the same model objects, with its own copy of fxdebug's modules.
+
+        ``fxdebug.trace`` of an instrumented module returns this: the passes run so far are kept.
+        """
+        with warnings.catch_warnings():  # torch's own deepcopy of an export graph's pytree spec warns
+            warnings.simplefilter("ignore", FutureWarning)
+            graph = copy.deepcopy(self.graph)
+        for node in graph.nodes:  # Graph.__deepcopy__ copies node.meta shallowly: own fxdebug's dicts
+            if "fxdebug" in node.meta:
+                node.meta["fxdebug"] = copy.deepcopy(node.meta["fxdebug"])
+        res = Instrumented(self, graph, class_name=self.meta.get("fxdebug", {}).get("model_type", "GraphModule"))
+        _adopt_hierarchy(res, self)
+        if NAMESPACE in self._modules:
+            res._modules[NAMESPACE] = copy.deepcopy(self._modules[NAMESPACE])
+            res.recompile()
+        info = self.meta.get("fxdebug", {})
+        res.meta["fxdebug"] = {"trace": info.get("trace"), "passes": list(info.get("passes", [])),
+                               "model_type": info.get("model_type")}
+        return res
 
     # -- copying and saving ---------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> "Instrumented":
@@ -195,169 +270,3 @@ def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dic
     return gm
 
 
-# -- public entry points ----------------------------------------------------------------------------
-def _check_model(model: Any, fn: str) -> nn.Module:
-    if not isinstance(model, nn.Module):
-        hint = " (it is a class: instantiate it first)" if isinstance(model, type) else ""
-        raise UsageError(f"{fn}() needs a torch.nn.Module instance; got {type(model).__name__}{hint}.")
-    return model
-
-
-def trace(
-    model: nn.Module,
-    example_inputs: Any = None,
-    *,
-    leaf_modules: Sequence[str | type[nn.Module]] = (),
-    auto_leaf: bool = True,
-    frontend: str = "auto",
-    dynamic_batch: bool = False,
-) -> Instrumented:
-    """Capture ``model`` as an ``Instrumented`` graph module, without passes.
-
-    Frontends (``frontend=``), tried in this order by ``"auto"``:
-
-    * ``"symbolic"`` — ``torch.fx`` symbolic tracing; submodules that cannot be traced become
-      leaves automatically (``auto_leaf=True``), recorded in ``.trace_info`` and in reports.
-      Module-level graph, the most readable. Needs no example inputs.
-    * ``"export"`` — ``torch.export`` (non-strict) on the example inputs: an aten-level graph whose
-      nodes keep their module path. Captures roots that FX cannot (item assignment, loops over
-      inputs, ``*args``). ``dynamic_batch=True`` lets dim 0 of every tensor input vary.
-    * ``"subtrees"`` — keeps the root's forward eager and instruments the largest submodules
-      that one of the above captures; the report gives the fraction of parameters and executed
-      ops under instrumentation and which modules stayed eager, and why.
-
-    The chosen frontend is ``.trace_info.frontend``; ``"auto"`` also notes why earlier ones failed.
-    """
-    _check_model(model, "trace")
-    if isinstance(model, Instrumented):
-        if hasattr(model, "instrument_parts"):
-            raise UsageError("a model captured per subtree cannot be traced again; call fxdebug.instrument on the "
-                             "original model with all the passes you want.")
-        return _copy_instrumented(model)
-    if frontend not in _FRONTENDS:
-        raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_FRONTENDS)}.")
-    inputs = normalize_inputs(example_inputs)
-    if frontend == "symbolic":
-        return _trace_symbolic(model, inputs, leaf_modules, auto_leaf)
-    if frontend == "export":
-        return _trace_export(model, inputs, dynamic_batch)
-    if frontend == "subtrees":
-        return _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
-    start = time.perf_counter()
-    try:
-        return _trace_symbolic(model, inputs, leaf_modules, auto_leaf)
-    except TraceError as exc:
-        symbolic_error = exc
-    why = [f"auto: symbolic tracing failed: {symbolic_error.message}"]
-    if inputs is None:
-        raise TraceError(
-            f"{symbolic_error.message} The other frontends (export, subtrees) run the model on example inputs, "
-            "and none were given: pass example_inputs=(x,) (or a dict of keyword inputs).",
-            module=symbolic_error.module, op=symbolic_error.op,
-        ) from symbolic_error
-    try:
-        gm = _trace_export(model, inputs, dynamic_batch)
-    except TraceError as exc:
-        why.append(f"auto: torch.export failed: {exc.message}")
-        try:
-            gm = _trace_subtrees(model, inputs, leaf_modules, auto_leaf, dynamic_batch)
-        except FxDebugError:
-            raise
-        except Exception as run_exc:  # the model itself does not run on the example inputs
-            raise TraceError(
-                f"{type(model).__name__}'s own forward raised {type(run_exc).__name__} on the example inputs: "
-                f"{str(run_exc).strip() or type(run_exc).__name__}. fxdebug can only capture a model that runs: fix "
-                "the forward or the example inputs.", module="", op=type(model).__name__) from run_exc
-    info = gm.trace_info
-    info.notes[:0] = why
-    info.seconds = time.perf_counter() - start
-    return gm
-
-
-def _trace_export(model: nn.Module, inputs: Any, dynamic_batch: bool) -> Instrumented:
-    from .frontends.export import capture_export
-
-    graph, info, space = capture_export(model, inputs, dynamic_batch=dynamic_batch)
-    return Instrumented._build(model, graph, info, namespace=space)
-
-
-def _trace_subtrees(model: nn.Module, inputs: Any, leaf_modules: Sequence[str | type[nn.Module]],
-                    auto_leaf: bool, dynamic_batch: bool) -> Instrumented:
-    from .frontends.subtrees import capture_subtrees
-
-    return capture_subtrees(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf,
-                            dynamic_batch=dynamic_batch)
-
-
-def _trace_symbolic(model: nn.Module, inputs: Any, leaf_modules: Any, auto_leaf: bool) -> Instrumented:
-    graph, info = capture_symbolic(model, inputs, leaf_modules=leaf_modules, auto_leaf=auto_leaf)
-    if not info.constants:
-        return Instrumented._build(model, graph, info)
-    # Tensors created in forward live under fxdebug.constants (non-persistent), not on the model.
-    space, consts = nn.Module(), nn.Module()
-    for name, value in info.constants.items():
-        consts.register_buffer(name, value, persistent=False)
-    space.add_module("constants", consts)
-    for node in graph.nodes:
-        if node.op == "get_attr" and str(node.target) in info.constants:
-            node.target = f"{NAMESPACE}.constants.{node.target}"
-    info.constants = {}
-    return Instrumented._build(model, graph, info, namespace=space)
-
-
-def _copy_instrumented(gm: Instrumented) -> Instrumented:
-    """A new Instrumented over the same model objects, with its own copy of fxdebug's modules."""
-    with warnings.catch_warnings():  # torch's own deepcopy of an export graph's pytree spec warns
-        warnings.simplefilter("ignore", FutureWarning)
-        graph = copy.deepcopy(gm.graph)
-    for node in graph.nodes:  # Graph.__deepcopy__ copies node.meta shallowly: own fxdebug's dicts
-        if "fxdebug" in node.meta:
-            node.meta["fxdebug"] = copy.deepcopy(node.meta["fxdebug"])
-    res = Instrumented(gm, graph, class_name=gm.meta.get("fxdebug", {}).get("model_type", "GraphModule"))
-    _adopt_hierarchy(res, gm)
-    if NAMESPACE in gm._modules:
-        res._modules[NAMESPACE] = copy.deepcopy(gm._modules[NAMESPACE])
-        res.recompile()
-    info = gm.meta.get("fxdebug", {})
-    res.meta["fxdebug"] = {"trace": info.get("trace"), "passes": list(info.get("passes", [])),
-                           "model_type": info.get("model_type")}
-    return res
-
-
-def instrument(
-    model: nn.Module,
-    passes: Sequence[Pass] = (),
-    example_inputs: Any = None,
-    **trace_options: Any,
-) -> Instrumented:
-    """Trace ``model`` and run ``passes`` over it; returns an ``Instrumented`` module.
-
-    With observe-only passes the result computes exactly what ``model`` computes (bitwise), on
-    the model's device, with the model's own parameters. ``example_inputs`` (a tensor, a tuple, or
-    a dict of keyword inputs) are run once to learn every node's shape, dtype and device; the
-    model's buffers and the RNG state are restored afterwards. Extra keyword arguments go to
-    ``trace`` (``leaf_modules``, ``auto_leaf``, ``frontend``).
-    """
-    _check_model(model, "instrument")
-    pass_list = validate_passes(passes)
-    prior = trace_options.pop("prior_report", None)
-    if prior is None and isinstance(model, Instrumented) and model.observers():
-        prior = model.report()
-    start = time.perf_counter()
-    gm = trace(model, example_inputs, **trace_options)
-    instrument_parts = getattr(gm, "instrument_parts", None)
-    if instrument_parts is not None:  # frontend "subtrees": the passes run on each captured part
-        gm = instrument_parts(pass_list, prior)
-        gm.meta.setdefault("fxdebug", {})["instrument_seconds"] = time.perf_counter() - start
-        return gm
-    ctx = PassContext(example_inputs, prior_report=prior)
-    if ctx.inputs is not None:
-        ctx.specs(gm)  # validates the example inputs against the model, naming the failing node
-    manager = PassManager(pass_list)
-    gm = manager.run(gm, ctx)
-    if ctx.inputs is not None and not all(p.observe_only for p in pass_list):
-        ctx.specs(gm)  # a transform made new nodes: learn their shapes for the report and picture
-    meta = gm.meta.setdefault("fxdebug", {})
-    meta.setdefault("passes", []).extend(manager.results)
-    meta["instrument_seconds"] = time.perf_counter() - start
-    return gm

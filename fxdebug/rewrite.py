@@ -37,6 +37,7 @@ from .errors import UsageError
 from .meta import describe, fx_meta, is_instrumentation, op_label
 from .ops import get_module
 from .select import Where, matches
+from .tracing import normalize_inputs
 
 __all__ = ["Match", "Replacement", "find_pattern", "keep_state", "node_values", "replace_pattern"]
 
@@ -320,8 +321,6 @@ def node_values(
     afterwards. With ``grad=True`` autograd records the run; wrap the run and the backward in
     ``keep_state(gm)`` yourself, since batch-norm may need its buffers for the backward.
     """
-    from .tracing import normalize_inputs
-
     bound = normalize_inputs(inputs) if inputs is not None else ctx.inputs
     if bound is None:
         raise UsageError(f"pass '{ctx.current_pass or '?'}' needs example inputs to run the model: "

@@ -1,7 +1,9 @@
-"""Ways of capturing a model as a graph, besides symbolic tracing (``fxdebug/tracing.py``).
+"""Ways of capturing a model; each implements the ``Frontend`` protocol (``base.py``).
 
-* ``export`` — ``torch.export`` (non-strict): an aten-level graph with module paths kept.
-* ``subtrees`` — the root's forward stays eager; its largest capturable submodules are captured.
+* ``graphs`` — ``SymbolicFrontend`` (``torch.fx``, via ``fxdebug/tracing.py``) and
+  ``ExportFrontend`` (``torch.export``, via ``export.py``): one graph, one part.
+* ``subtrees`` — the root's forward stays eager; its largest capturable submodules are the parts.
 
-``fxdebug.trace(frontend=...)`` chooses among them; nothing here is needed directly.
+Every frontend returns an ``Instrumented`` module; ``fxdebug.trace(frontend=...)`` (``api.py``)
+chooses among them. Nothing here is needed directly.
 """

@@ -11,6 +11,10 @@ The model is never touched: the eager root is a shallow copy of the model object
 dictionaries are fresh copies, with captured children swapped in; every parameter and buffer is
 the model's own. The result reports which fraction of parameters and of executed aten ops sits
 under instrumentation, and which modules stayed eager, and why.
+
+Each captured submodule is one of ``SubtreeInstrumented.parts()``; the pass pipeline, the
+report and the picture loop over the parts (``api.run_pipeline``, ``Instrumented.report``), so
+nothing here repeats them.
 """
 
 from __future__ import annotations
@@ -27,16 +31,18 @@ from torch.fx import Graph
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..context import PassContext, preserved_state
-from ..errors import TraceError
-from ..instrumented import Instrumented, deserialize_graph, serialize_graph
+from ..context import preserved_state
+from ..errors import TraceError, UsageError
+from ..instrumented import Instrumented
 from ..meta import fx_meta
-from ..passes_api import Pass, PassManager
-from ..report import Report
-from ..tracing import TraceInfo, capture_symbolic
-from .export import capture_export
+from ..serialize import deserialize_graph, serialize_graph
+from ..tracing import TraceInfo
+from .base import CallInputs, Frontend, TraceOptions
+from .graphs import ExportFrontend, SymbolicFrontend
 
-__all__ = ["SubtreeInstrumented", "capture_subtrees"]
+__all__ = ["SubtreeInstrumented", "SubtreesFrontend", "capture_subtrees"]
+
+_GRAPH_FRONTENDS: tuple[Frontend, ...] = (SymbolicFrontend(), ExportFrontend())
 
 _MAX_CALLS = 2  # calls recorded per module, for capture and the bitwise check
 
@@ -125,43 +131,32 @@ def _same(a: Any, b: Any) -> bool:
     return True
 
 
-def _capture_one(module: nn.Module, rec: _Calls, leaf_modules: Sequence[Any], auto_leaf: bool,
-                 dynamic_batch: bool) -> tuple[Instrumented | None, str]:
+def _capture_one(module: nn.Module, rec: _Calls, options: TraceOptions) -> tuple[Instrumented | None, str]:
     """The module as a checked ``Instrumented``, or ``None`` and why not."""
     args, kwargs, _ = rec.calls[0]
     reasons = []
-    for frontend in ("symbolic", "export"):
-        if frontend == "export" and len({_shapes(c[:2]) for c in rec.calls}) > 1 and not dynamic_batch:
+    for frontend in _GRAPH_FRONTENDS:
+        if frontend.name == "export" and len({_shapes(c[:2]) for c in rec.calls}) > 1 and not options.dynamic_batch:
             reasons.append("export: called with different input shapes")
             continue
         try:
-            options: dict[str, Any] = ({"leaf_modules": leaf_modules, "auto_leaf": auto_leaf}
-                                       if frontend == "symbolic" else {"dynamic_batch": dynamic_batch})
-            gm = _trace_with(module, args, kwargs, frontend, options)
+            gm = frontend.capture(module, (args, kwargs), options)
         except Exception as exc:  # any capture failure leaves the module eager, with the reason
-            reasons.append(f"{frontend}: {getattr(exc, 'message', str(exc)).split('. ')[0]}")
+            reasons.append(f"{frontend.name}: {getattr(exc, 'message', str(exc)).split('. ')[0]}")
             continue
         try:
             with preserved_state(module), torch.no_grad():
                 ok = all(_same(gm(*a, **k), out) for a, k, out in rec.calls)
         except Exception as exc:
             ok = False
-            reasons.append(f"{frontend}: the captured graph failed on the recorded inputs ({type(exc).__name__})")
+            reasons.append(f"{frontend.name}: the captured graph failed on the recorded inputs ({type(exc).__name__})")
         else:
             if not ok:
-                reasons.append(f"{frontend}: the captured graph does not reproduce the module's outputs bitwise")
+                reasons.append(f"{frontend.name}: the captured graph does not reproduce the module's outputs bitwise")
         if ok:
-            return gm, frontend
+            gm.__dict__["_recorded_inputs"] = (args, kwargs)  # this part's inputs for the pass pipeline
+            return gm, frontend.name
     return None, "; ".join(reasons)
-
-
-def _trace_with(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], frontend: str,
-                options: dict[str, Any]) -> Instrumented:
-    if frontend == "symbolic":
-        graph, info = capture_symbolic(module, (args, kwargs), **options)
-        return Instrumented._build(module, graph, info)
-    graph, info, space = capture_export(module, (args, kwargs), **options)
-    return Instrumented._build(module, graph, info, namespace=space)
 
 
 def _shapes(call: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -175,8 +170,8 @@ def _relative_leaves(leaf_modules: Sequence[Any], path: str) -> list[Any]:
             if isinstance(x, type) or str(x).startswith(prefix)]
 
 
-def _select(model: nn.Module, seen: dict[str, _Calls], leaf_modules: Sequence[Any], auto_leaf: bool,
-            dynamic_batch: bool) -> tuple[dict[str, tuple[Instrumented, str]], dict[str, str]]:
+def _select(model: nn.Module, seen: dict[str, _Calls],
+            options: TraceOptions) -> tuple[dict[str, tuple[Instrumented, str]], dict[str, str]]:
     """Walk down from the root's children: capture what can be captured, descend where not."""
     captured: dict[str, tuple[Instrumented, str]] = {}
     eager: dict[str, str] = {}
@@ -190,7 +185,9 @@ def _select(model: nn.Module, seen: dict[str, _Calls], leaf_modules: Sequence[An
             for name, child in children:
                 visit(f"{path}.{name}", child)
             return
-        gm, how = _capture_one(module, rec, _relative_leaves(leaf_modules, path), auto_leaf, dynamic_batch)
+        relative = TraceOptions(tuple(_relative_leaves(options.leaf_modules, path)), options.auto_leaf,
+                                options.dynamic_batch)
+        gm, how = _capture_one(module, rec, relative)
         if gm is not None:
             captured[path] = (gm, how)
             return
@@ -277,58 +274,23 @@ class SubtreeInstrumented(Instrumented):
         paths = [n.target for n in self.graph.nodes if n.op == "call_module"]
         return {str(p): self._shell.get_submodule(str(p)) for p in paths}
 
-    def observers(self) -> dict[str, Any]:
-        return {f"{path}/{name}": obs for path, part in self.parts().items() for name, obs in part.observers().items()}
-
-    def reset(self) -> None:
-        for part in self.parts().values():
-            part.reset()
-
-    def report(self) -> Report:
-        """The parts' reports, concatenated in execution order; node names read ``path/node``."""
-        info = self.trace_info
-        rows, notes, leaves = [], list(info.notes), {}
-        origin: tuple[int, int] | None = None
-        grad_origin: tuple[int, str] | None = None
-        calls = 0
-        for path, part in self.parts().items():
-            rep = part.report()
-            calls = max(calls, rep.calls)
-            for row in rep.rows:
-                row = dict(row, node=f"{path}/{row['node']}", module=f"{path}.{row['module']}".rstrip("."))
-                first = row.get("nonfinite_first_call")
-                if first is not None and (origin is None or first < origin[0]):
-                    origin = (first, len(rows))
-                rows.append(row)
-            if rep.first_nonfinite_grad is not None:
-                first = rep.row(rep.first_nonfinite_grad).get("grad_nonfinite_first_call")
-                first = 0 if first is None else first
-                if grad_origin is None or first <= grad_origin[0]:
-                    grad_origin = (first, f"{path}/{rep.first_nonfinite_grad}")
-            notes.extend(f"{path}: {n}" for n in rep.notes)
-            leaves.update({f"{path}.{k}": v for k, v in rep.auto_leaves.items()})
-        return Report(rows=rows, first_nonfinite=rows[origin[1]]["node"] if origin else None,
-                      first_nonfinite_grad=grad_origin[1] if grad_origin else None, auto_leaves=leaves,
-                      frontend="subtrees", notes=notes, calls=calls)
-
-    def instrument_parts(self, passes: Sequence[Pass], prior: Any = None) -> "SubtreeInstrumented":
-        """Run ``passes`` on every captured part, on the inputs that part saw while recording."""
-        examples = self.__dict__.pop("_examples", {})
-        for path, part in self.parts().items():
-            if path not in examples:
-                raise TraceError(f"no recorded inputs for captured module '{path}'; trace the model again "
-                                 "with example_inputs before instrumenting it.", module=path)
-            ctx = PassContext(None, prior_report=prior)
-            ctx.inputs = examples[path]
-            ctx.specs(part)
-            manager = PassManager(list(passes))
-            new = manager.run(part, ctx)
-            ctx.specs(new)
-            new.meta.setdefault("fxdebug", {}).setdefault("passes", []).extend(manager.results)
-            if new is not part:
-                owner, _, name = path.rpartition(".")
-                self._shell.get_submodule(owner)._modules[name] = new
+    def replace_part(self, path: str, new: Instrumented) -> "SubtreeInstrumented":
+        if path not in self.parts():
+            raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
+        if new is not self._shell.get_submodule(path):
+            owner, _, name = path.rpartition(".")
+            self._shell.get_submodule(owner)._modules[name] = new
         return self
+
+    def _summary_notes(self) -> list[str]:
+        return list(self.trace_info.notes)
+
+    def learn_shapes(self, example_inputs: Any) -> None:
+        """The parts learnt their shapes on the inputs they saw while the model was recorded."""
+
+    def retrace(self) -> Instrumented:
+        raise UsageError("a model captured per subtree cannot be traced again; call fxdebug.instrument on the "
+                         "original model with all the passes you want.")
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SubtreeInstrumented":
         shell = copy.deepcopy(self._shell, memo)
@@ -343,14 +305,16 @@ def _load_subtrees(shell: nn.Module, parts: list[str], meta: dict[str, Any], row
     return SubtreeInstrumented._assemble(shell, parts, meta, deserialize_graph(rows))
 
 
-def capture_subtrees(
-    model: nn.Module,
-    inputs: tuple[tuple[Any, ...], dict[str, Any]] | None,
-    *,
-    leaf_modules: Sequence[Any] = (),
-    auto_leaf: bool = True,
-    dynamic_batch: bool = False,
-) -> SubtreeInstrumented:
+class SubtreesFrontend:
+    """The root's forward stays eager; its largest capturable submodules become the parts."""
+
+    name = "subtrees"
+
+    def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> SubtreeInstrumented:
+        return capture_subtrees(model, inputs, options)
+
+
+def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: TraceOptions = TraceOptions()) -> SubtreeInstrumented:
     """Keep ``model``'s forward eager and capture its largest capturable submodules."""
     if inputs is None:
         raise TraceError(
@@ -360,7 +324,7 @@ def capture_subtrees(
         )
     start = time.perf_counter()
     seen, total_ops = _record(model, *inputs)
-    captured, eager = _select(model, seen, leaf_modules, auto_leaf, dynamic_batch)
+    captured, eager = _select(model, seen, options)
     order = sorted(captured, key=lambda p: seen[p].order)
     for path in order:
         _adopt_attributes(captured[path][0], model.get_submodule(path))
@@ -382,6 +346,4 @@ def capture_subtrees(
     info.notes.extend(f"subtrees: {p or '<root>'} stays eager: {why}" for p, why in info.eager_modules.items())
     info.seconds = time.perf_counter() - start
     meta = {"fxdebug": {"trace": info, "passes": [], "model_type": type(model).__name__}}
-    gm = SubtreeInstrumented._assemble(shell, order, meta)
-    gm.__dict__["_examples"] = {p: seen[p].calls[0][:2] for p in order}
-    return gm
+    return SubtreeInstrumented._assemble(shell, order, meta)

@@ -1,0 +1,179 @@
+"""The entry points: ``trace``, ``instrument``, ``render``, and the choice of frontend.
+
+``trace`` picks a frontend (``frontends/``) and returns what every frontend returns, an
+``Instrumented`` module; ``instrument`` traces and runs the pass pipeline (``run_pipeline``) over
+each of its ``parts()``; ``render`` draws any module, tracing a plain one first. Nothing here
+knows which frontend made a module: the parts say it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from torch import nn
+from torch.fx import GraphModule
+
+from .context import PassContext
+from .errors import FxDebugError, TraceError, UsageError
+from .frontends.base import Frontend, TraceOptions
+from .frontends.graphs import ExportFrontend, SymbolicFrontend
+from .frontends.subtrees import SubtreesFrontend
+from .instrumented import Instrumented
+from .passes_api import Pass, PassManager, validate_passes
+from .render import render as draw
+from .report import Report
+from .tracing import Inputs, normalize_inputs
+
+__all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
+
+FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
+_CHOICES = ("auto", *FRONTENDS)
+
+
+def _check_model(model: Any, fn: str) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        hint = " (it is a class: instantiate it first)" if isinstance(model, type) else ""
+        raise UsageError(f"{fn}() needs a torch.nn.Module instance; got {type(model).__name__}{hint}.")
+    return model
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    leaf_modules: Sequence[str | type[nn.Module]] = (),
+    auto_leaf: bool = True,
+    frontend: str = "auto",
+    dynamic_batch: bool = False,
+) -> Instrumented:
+    """Capture ``model`` as an ``Instrumented`` graph module, without passes.
+
+    Frontends (``frontend=``), tried in this order by ``"auto"``:
+
+    * ``"symbolic"`` — ``torch.fx`` symbolic tracing; submodules that cannot be traced become
+      leaves automatically (``auto_leaf=True``), recorded in ``.trace_info`` and in reports.
+      Module-level graph, the most readable. Needs no example inputs.
+    * ``"export"`` — ``torch.export`` (non-strict) on the example inputs: an aten-level graph whose
+      nodes keep their module path. Captures roots that FX cannot (item assignment, loops over
+      inputs, ``*args``). ``dynamic_batch=True`` lets dim 0 of every tensor input vary.
+    * ``"subtrees"`` — keeps the root's forward eager and instruments the largest submodules
+      that one of the above captures; the report gives the fraction of parameters and executed
+      ops under instrumentation and which modules stayed eager, and why.
+
+    The chosen frontend is ``.trace_info.frontend``; ``"auto"`` also notes why earlier ones failed.
+    """
+    _check_model(model, "trace")
+    if isinstance(model, Instrumented):
+        return model.retrace()
+    if frontend not in _CHOICES:
+        raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_CHOICES)}.")
+    inputs = normalize_inputs(example_inputs)
+    options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
+    if frontend != "auto":
+        return FRONTENDS[frontend].capture(model, inputs, options)
+    return _trace_auto(model, inputs, options)
+
+
+def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
+    """Symbolic, then export, then subtrees; the result notes why the earlier ones failed."""
+    start = time.perf_counter()
+    try:
+        return FRONTENDS["symbolic"].capture(model, inputs, options)
+    except TraceError as exc:
+        symbolic_error = exc
+    why = [f"auto: symbolic tracing failed: {symbolic_error.message}"]
+    if inputs is None:
+        raise TraceError(
+            f"{symbolic_error.message} The other frontends (export, subtrees) run the model on example inputs, "
+            "and none were given: pass example_inputs=(x,) (or a dict of keyword inputs).",
+            module=symbolic_error.module, op=symbolic_error.op,
+        ) from symbolic_error
+    try:
+        gm = FRONTENDS["export"].capture(model, inputs, options)
+    except TraceError as exc:
+        why.append(f"auto: torch.export failed: {exc.message}")
+        try:
+            gm = FRONTENDS["subtrees"].capture(model, inputs, options)
+        except FxDebugError:
+            raise
+        except Exception as run_exc:  # the model itself does not run on the example inputs
+            raise TraceError(
+                f"{type(model).__name__}'s own forward raised {type(run_exc).__name__} on the example inputs: "
+                f"{str(run_exc).strip() or type(run_exc).__name__}. fxdebug can only capture a model that runs: fix "
+                "the forward or the example inputs.", module="", op=type(model).__name__) from run_exc
+    info = gm.trace_info
+    info.notes[:0] = why
+    info.seconds = time.perf_counter() - start
+    return gm
+
+
+def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any = None,
+                 prior: Report | None = None) -> Instrumented:
+    """Run ``passes`` over every part of ``gm``, each on the inputs that part is called with.
+
+    A single-graph capture is one part, run on ``example_inputs``; a part a frontend recorded
+    its own inputs for (subtrees) runs on those. Shapes are learnt before the passes (which also
+    validates the inputs against the model, naming the failing node) and again after a transform.
+    """
+    pass_list = list(passes)
+    observe_only = all(p.observe_only for p in pass_list)
+    for path, part in gm.parts().items():
+        recorded = part.recorded_inputs()
+        if recorded is not None:
+            inputs: Any = Inputs(*recorded[0], **recorded[1])
+        elif path:
+            raise TraceError(f"no recorded inputs for captured module '{path}'; trace the model again "
+                             "with example_inputs before instrumenting it.", module=path)
+        else:
+            inputs = example_inputs
+        ctx = PassContext(inputs, prior_report=prior)
+        if ctx.inputs is not None:
+            ctx.specs(part)
+        manager = PassManager(pass_list)
+        new = manager.run(part, ctx)
+        if ctx.inputs is not None and (not observe_only or recorded is not None):
+            ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
+        new.meta.setdefault("fxdebug", {}).setdefault("passes", []).extend(manager.results)
+        gm = gm.replace_part(path, new)  # type: ignore[arg-type]
+    return gm
+
+
+def instrument(
+    model: nn.Module,
+    passes: Sequence[Pass] = (),
+    example_inputs: Any = None,
+    **trace_options: Any,
+) -> Instrumented:
+    """Trace ``model`` and run ``passes`` over it; returns an ``Instrumented`` module.
+
+    With observe-only passes the result computes exactly what ``model`` computes (bitwise), on
+    the model's device, with the model's own parameters. ``example_inputs`` (a tensor, a tuple, or
+    a dict of keyword inputs) are run once to learn every node's shape, dtype and device; the
+    model's buffers and the RNG state are restored afterwards. Extra keyword arguments go to
+    ``trace`` (``leaf_modules``, ``auto_leaf``, ``frontend``).
+    """
+    _check_model(model, "instrument")
+    pass_list = validate_passes(passes)
+    prior = trace_options.pop("prior_report", None)
+    if prior is None and isinstance(model, Instrumented) and model.observers():
+        prior = model.report()
+    start = time.perf_counter()
+    gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
+    gm.meta.setdefault("fxdebug", {})["instrument_seconds"] = time.perf_counter() - start
+    return gm
+
+
+def render(model_or_gm: nn.Module, path: str, example_inputs: Any = None, **options: Any) -> str:
+    """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work).
+
+    ``model_or_gm`` is an ``Instrumented`` module (its report is drawn), any ``GraphModule``, or a
+    plain ``nn.Module`` (traced here, on ``example_inputs`` when given). The options (``depth``,
+    ``show_instrumentation``, ``failed``, ``report``) are documented on the drawing function in
+    ``fxdebug/render.py``.
+    """
+    if isinstance(model_or_gm, nn.Module) and not isinstance(model_or_gm, GraphModule):
+        model_or_gm = trace(model_or_gm, example_inputs)
+    if isinstance(model_or_gm, Instrumented):
+        return model_or_gm.render(path, example_inputs, **options)
+    return draw(model_or_gm, path, example_inputs, **options)
