@@ -9,6 +9,7 @@ source with nested module clusters, and runs graphviz's ``dot``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from typing import Any
@@ -19,12 +20,14 @@ from torch.fx import GraphModule
 from .context import PassContext
 from .errors import FxDebugError, UsageError
 from .render_dot import (
+    AUTO_BUDGET,
     COLORS,
     Group,
     _legend_html,
     _lines,
     _shape,
     auto_depth,
+    drawn_cluster,
     group_label,
     group_nodes,
     group_style,
@@ -34,15 +37,19 @@ from .render_dot import (
     node_tooltip,
     used_highlights,
 )
+from .render_fold import fold_view
 from .render_view import GraphView, build_view
 
-__all__ = ["COLORS", "build_dot", "render"]
+__all__ = ["COLORS", "FIT_PT", "build_dot", "fit_source", "render", "svg_size"]
 
 INSTALL_HINT = (
     "Install graphviz so that `dot` is on PATH: `apt-get install -y graphviz` (Debian/Ubuntu), "
     "`brew install graphviz` (macOS), or `conda install -c conda-forge graphviz`"
 )
 DOT_TIMEOUT_S = 600
+FIT_PT = 2500.0
+"""The automatic depth keeps the picture's long side at most this many points (about a screen)."""
+_SIZE = re.compile(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"')
 _FORMATS = ("svg", "png", "pdf")
 
 
@@ -55,6 +62,7 @@ def render(
     show_instrumentation: bool = False,
     failed: Any = None,
     report: Any = None,
+    fold: bool = True,
 ) -> str:
     """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work).
 
@@ -65,8 +73,9 @@ def render(
         example_inputs: run once to learn shapes when the graph does not know them yet.
         depth: collapse every module at this depth (``"layer1"`` is depth 1, ``"layer1.0"``
             depth 2) into one box with its in/out shapes and an aggregate. ``None`` picks the
-            deepest level that keeps the picture to about ``AUTO_BUDGET`` boxes (no collapse when
-            the graph is that small); pass a large number to never collapse.
+            deepest level whose picture fits a screen (``FIT_PT`` points on its long side, measured
+            on graphviz's layout; no collapse when the whole graph fits); pass a large number to
+            never collapse. Modules holding the NaN/Inf origin or a failed check are drawn open.
         show_instrumentation: draw fxdebug's observer nodes instead of folding them into the
             node they watch.
         failed: an error carrying ``.node`` (e.g. a ``ShapeMismatchError`` or
@@ -74,6 +83,9 @@ def render(
             having failed a check, with the message in its tooltip. Passes can mark nodes
             themselves with ``node.meta["fxdebug"]["failed"] = "<message>"``.
         report: a ``Report`` to draw instead of the module's own (e.g. one loaded or merged).
+        fold: fold what a reader does not need as boxes (``render_fold``): parameters onto the ops
+            reading them, mask/shape plumbing into the cluster consuming it, and runs of identical
+            repeated blocks into one block labelled ``layer.0–11 ×12``. ``False`` draws every node.
 
     Returns the path of the picture. Raises ``FxDebugError`` (after writing the ``.dot``) when
     graphviz's ``dot`` is not installed, saying how to install it.
@@ -89,12 +101,67 @@ def render(
         out_path += ".svg"
     gm, report = _resolve(model_or_gm, example_inputs, report)
     view = build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)
-    source = build_dot(view, auto_depth(view) if depth is None else depth)
+    if fold:
+        fold_view(view)
     dot_path = stem + ".dot"
+    if depth is None:
+        source = fit_source(view, dot_path, out_path)
+    else:
+        source = build_dot(view, depth)
     with open(dot_path, "w", encoding="utf-8") as f:
         f.write(source)
     run_dot(dot_path, out_path, fmt)
     return out_path
+
+
+def svg_size(svg: str) -> tuple[float, float]:
+    """``(width, height)`` in points from the header of an SVG graphviz wrote."""
+    m = _SIZE.search(svg[:4000])
+    if m is None:
+        raise FxDebugError("graphviz wrote an SVG without a width/height in points; cannot measure the picture.")
+    return float(m.group(1)), float(m.group(2))
+
+
+def fit_source(view: GraphView, dot_path: str, out_path: str, fit_pt: float = FIT_PT) -> str:
+    """The dot source at the deepest module depth whose picture is at most ``fit_pt`` on its long side.
+
+    Depths are tried from "nothing collapsed" down to 1, skipping those with more than
+    ``AUTO_BUDGET`` boxes without laying them out; each candidate is laid out by ``dot`` and measured.
+    When none fits, the smallest picture wins.
+    """
+    deepest = view.max_module_depth()
+    best: tuple[float, str] | None = None
+    candidates: list[int | None] = [None, *range(deepest, 0, -1)]
+    fallback = auto_depth(view)
+    for depth in candidates:
+        _, item_of = group_nodes(view, depth)
+        if len(set(item_of.values())) > AUTO_BUDGET and depth != 1:
+            continue
+        source = build_dot(view, depth)
+        width, height = svg_size(_dot_text(source, dot_path, out_path))
+        long_side = max(width, height)
+        if long_side <= fit_pt:
+            return source
+        if best is None or long_side < best[0]:
+            best = (long_side, source)
+    return best[1] if best is not None else build_dot(view, fallback)
+
+
+def _dot_text(source: str, dot_path: str, out_path: str) -> str:
+    """Lay ``source`` out with ``dot`` and return the SVG text (to measure it)."""
+    exe = shutil.which("dot")
+    if exe is None:
+        with open(dot_path, "w", encoding="utf-8") as f:
+            f.write(source)
+        run_dot(dot_path, out_path)  # raises the install hint
+    try:
+        proc = subprocess.run([str(exe), "-Tsvg"], input=source, capture_output=True, text=True, timeout=DOT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise FxDebugError(f"graphviz took more than {DOT_TIMEOUT_S} s laying out {out_path!r}; pass a smaller "
+                           "depth= to draw fewer boxes.") from None
+    if proc.returncode != 0:
+        raise FxDebugError(f"graphviz failed to lay out {out_path!r} (exit {proc.returncode}): {proc.stderr.strip()[:500]}")
+    return proc.stdout
 
 
 def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, Any]:
@@ -154,10 +221,7 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
             continue
         emitted.add(item)
         if item == v.name:
-            cluster = v.cluster
-            if depth is not None:
-                cluster = ".".join(cluster.split(".")[: depth - 1]) if cluster else ""
-            contents.setdefault(cluster, []).append(("node", v))
+            contents.setdefault(drawn_cluster(v, depth, view.focus), []).append(("node", v))
         else:
             grp = by_id[item]
             contents.setdefault(grp.cluster, []).append(("group", grp))
@@ -170,18 +234,25 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
                 children[parent].append(child)
     counter = iter(range(1 << 30))
 
-    def emit(sub: Any, path: str) -> None:
+    def emit(sub: Any, path: str, heading: str | None = None) -> None:
         for kind, obj in contents.get(path, []):
             if kind == "node":
-                sub.node(obj.name, label=_lines(node_label(obj)), tooltip=_lines(node_tooltip(obj)),
+                label = node_label(obj)
+                if heading is not None:
+                    label = [heading, *label]
+                sub.node(obj.name, label=_lines(label), tooltip=_lines(node_tooltip(obj)),
                          id=f"node/{obj.name}", **node_style(obj))
             else:
                 sub.node(obj.id, label=_lines(group_label(obj, view, in_shapes[obj.id], out_shapes[obj.id])),
                          tooltip=_lines(_group_tooltip(obj)), id=obj.id, **group_style(obj))
         for child in children.get(path, []):
             typ = view.module_types.get(child)
+            title = view.display(child) + (f" : {typ}" if typ else "")
+            if not children.get(child) and len(contents.get(child, [])) == 1 and contents[child][0][0] == "node":
+                emit(sub, child, heading=f"[{child.rpartition('.')[2]}" + (f" : {typ}]" if typ else "]"))  # a cluster around one box says no more than a heading
+                continue
             with sub.subgraph(name=f"cluster_{next(counter)}") as c:
-                c.attr(label=_lines([child + (f" : {typ}" if typ else "")]), id=f"cluster/{child}",
+                c.attr(label=_lines([title]), id=f"cluster/{child}",
                        style="rounded,dashed", color="#9a9a9a", fontsize="9", tooltip=_lines([child]))
                 emit(c, child)
 
@@ -224,7 +295,10 @@ def _add(items: list[str], value: str) -> None:
 
 
 def _group_tooltip(g: Group) -> list[str]:
-    lines = [f"module: {g.path} ({len(g.members)} ops, collapsed)"]
+    if g.plumbing:
+        lines = [f"mask/shape plumbing consumed in {g.cluster or '<root>'} ({len(g.members)} ops, folded)"]
+    else:
+        lines = [f"module: {g.path} ({len(g.members)} ops, collapsed)"]
     worst = g.worst_dead
     if worst is not None:
         lines.append(f"worst dead_frac: {worst.dead_frac!r} at {worst.name}")

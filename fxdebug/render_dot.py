@@ -19,7 +19,8 @@ from typing import Any, Iterable
 from .render_view import GraphView, VisNode
 from .table import format_value
 
-__all__ = ["AUTO_BUDGET", "COLORS", "Group", "auto_depth", "group_nodes", "header", "node_label", "node_tooltip"]
+__all__ = ["AUTO_BUDGET", "COLORS", "Group", "auto_depth", "drawn_cluster", "group_key", "group_nodes", "header", "node_label",
+           "node_tooltip", "short_op"]
 
 AUTO_BUDGET = 250
 """The default depth keeps at most this many boxes on screen, collapsing deeper modules."""
@@ -36,6 +37,7 @@ COLORS = {
     "io": "#dbe9f6",  # fill: graph inputs and outputs
     "op": "#ffffff",  # fill: an ordinary op
     "group": "#f2f2f2",  # fill: a collapsed module
+    "plumbing": "#fafafa",  # fill: mask/shape plumbing folded into one box
 }
 
 _LEGEND = [
@@ -50,20 +52,28 @@ _LEGEND = [
 ]
 
 
+PLUMBING = "plumbing:"
+"""Group keys starting with this hold one cluster's mask/shape plumbing (its path follows)."""
+
+
 @dataclass
 class Group:
-    """A module collapsed into one box."""
+    """A module collapsed into one box (or one cluster's mask/shape plumbing)."""
 
     path: str
     members: list[VisNode] = field(default_factory=list)
 
     @property
+    def plumbing(self) -> bool:
+        return self.path.startswith(PLUMBING)
+
+    @property
     def id(self) -> str:
-        return f"module/{self.path}"
+        return f"plumbing/{self.path[len(PLUMBING):]}" if self.plumbing else f"module/{self.path}"
 
     @property
     def cluster(self) -> str:
-        return self.path.rpartition(".")[0]
+        return self.path[len(PLUMBING):] if self.plumbing else self.path.rpartition(".")[0]
 
     @property
     def origin(self) -> VisNode | None:
@@ -92,27 +102,47 @@ class Group:
         return out
 
 
-def group_key(v: VisNode, depth: int | None) -> str | None:
-    """The depth-``depth`` module a node collapses into, or ``None`` if it is drawn on its own."""
-    if depth is None or v.kind in ("placeholder", "output") or not v.module:
+def group_key(v: VisNode, depth: int | None, focus: frozenset[str] | set[str] = frozenset()) -> str | None:
+    """The module a node collapses into at ``depth``, or ``None`` if it is drawn on its own.
+
+    Modules in ``focus`` (those holding a finding) are never collapsed: their children collapse one
+    level deeper instead, so the path down to the NaN origin or a failed check is drawn open.
+    """
+    if v.kind in ("placeholder", "output"):
         return None
-    parts = v.module.split(".")
-    return ".".join(parts[:depth]) if len(parts) >= depth else None
+    # A leaf module's call sits in its parent's cluster: it never collapses into a box of its own.
+    home = v.where if v.kind != "call_module" or v.placed is not None else v.cluster
+    if depth is not None and home:
+        parts = home.split(".")
+        for k in range(depth, len(parts) + 1):
+            key = ".".join(parts[:k])
+            if key not in focus:
+                return key
+    if v.plumbing and not (v.origin or v.grad_origin or v.failed):
+        return PLUMBING + v.cluster  # mask/shape plumbing drawn as one box per cluster
+    return None
 
 
 def group_nodes(view: GraphView, depth: int | None) -> tuple[dict[str, Group], dict[str, str]]:
     """``(groups by path, node name → drawn item id)``; single-member groups stay plain nodes."""
     groups: dict[str, Group] = {}
+    keys = {v.name: group_key(v, depth, view.focus) for v in view.nodes.values()}
     for v in view.nodes.values():
-        key = group_key(v, depth)
+        key = keys[v.name]
         if key is not None:
             groups.setdefault(key, Group(key)).members.append(v)
     groups = {k: g for k, g in groups.items() if len(g.members) > 1}
     item_of = {}
     for v in view.nodes.values():
-        key = group_key(v, depth)
+        key = keys[v.name]
         item_of[v.name] = groups[key].id if key in groups else v.name
     return groups, item_of
+
+
+def drawn_cluster(v: VisNode, depth: int | None, focus: frozenset[str] | set[str] = frozenset()) -> str:
+    """The cluster a node drawn on its own sits in (a lone member of a collapsed module: its parent)."""
+    key = group_key(v, depth, focus)
+    return key.rpartition(".")[0] if key is not None and not key.startswith(PLUMBING) else v.cluster
 
 
 def auto_depth(view: GraphView, budget: int = AUTO_BUDGET) -> int | None:
@@ -161,10 +191,12 @@ def node_label(v: VisNode) -> list[str]:
     elif v.kind == "output":
         head = "output"
     else:
-        head = f"{v.name} : {v.label}"
+        head = f"{v.name} : {short_op(v.label)}"
     lines = [head]
     if v.shape is not None:
         lines.append(f"{_shape(v.shape)} {v.dtype or ''}".rstrip())
+    if v.params:
+        lines.append(_params_line(v.params))
     s = v.stats
     if "mean" in s or "std" in s:
         lines.append(f"mean {format_value(s.get('mean'))}  std {format_value(s.get('std'))}")
@@ -194,14 +226,36 @@ def node_label(v: VisNode) -> list[str]:
     return lines
 
 
+def short_op(label: str) -> str:
+    """``aten.embedding.default`` → ``aten.embedding``: the overload is in the tooltip."""
+    parts = label.split(".")
+    if label.startswith("aten.") and len(parts) == 3:
+        return ".".join(parts[:2])
+    return label
+
+
+def _params_line(params: list[tuple[str, Any, Any]], limit: int = 2) -> str:
+    """``weight (32, 32), bias (32)``: the parameters an op reads, by their last name."""
+    items = [f"{t.rpartition('.')[2]} {_shape(s) if s is not None else ''}".rstrip() for t, s, _ in params[:limit]]
+    more = f" +{len(params) - limit}" if len(params) > limit else ""
+    return ", ".join(items) + more
+
+
 def node_tooltip(v: VisNode) -> list[str]:
     """Everything known about a node, numbers at full precision."""
     lines = [f"node: {v.name}", f"op: {v.label} ({v.kind})", f"module: {v.module or '<root>'}"
              + (f" ({v.module_type})" if v.module_type else "")]
     if v.shape is not None:
         lines.append(f"shape: {_shape(v.shape)}  dtype: {v.dtype}  device: {v.device}")
+    for target, shape, dtype in v.params:
+        lines.append(f"reads {target}: {_shape(shape) if shape is not None else '?'} {dtype or ''}".rstrip())
     for key in sorted(v.stats):
         lines.append(f"{key}: {_full(v.stats[key])}")
+    if v.folded:
+        lines.append(f"folded with the same op in {len(v.folded)} repeated block(s): "
+                     + ", ".join(f.name for f in v.folded[:12]) + (" ..." if len(v.folded) > 12 else ""))
+    if v.placed is not None:
+        lines.append(f"drawn in {v.placed}, which consumes it (mask/shape plumbing)")
     if v.probes:
         lines.append(f"observed by: {', '.join(v.probes)}")
     if v.added_by:
@@ -219,8 +273,11 @@ def node_tooltip(v: VisNode) -> list[str]:
 
 
 def group_label(g: Group, view: GraphView, in_shapes: list[str], out_shapes: list[str]) -> list[str]:
+    if g.plumbing:
+        ops = sorted({short_op(m.label) for m in g.members})
+        return ["mask/shape plumbing", f"{len(g.members)} ops: " + ", ".join(ops[:4]) + (" ..." if len(ops) > 4 else "")]
     typ = view.module_types.get(g.path)
-    lines = [f"{g.path}" + (f" : {typ}" if typ else ""), f"{len(g.members)} ops (collapsed)"]
+    lines = [f"{view.display(g.path)}" + (f" : {typ}" if typ else ""), f"{len(g.members)} ops (collapsed)"]
     if in_shapes:
         lines.append(f"in {', '.join(in_shapes[:3])}" + (" ..." if len(in_shapes) > 3 else ""))
     if out_shapes:
@@ -282,6 +339,9 @@ def node_style(v: VisNode) -> dict[str, str]:
 
 def group_style(g: Group) -> dict[str, str]:
     worst = g.worst_dead
+    if g.plumbing:
+        return {"shape": "note", "style": "filled", "fillcolor": COLORS["plumbing"], "color": "#999999",
+                "fontcolor": "#555555"}
     attrs = {
         "shape": "box3d",
         "style": "filled",

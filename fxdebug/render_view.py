@@ -59,12 +59,21 @@ class VisNode:
     origin: bool = False
     grad_origin: bool = False
     activation: bool = False  # a ReLU in any form: where a dead-channel fraction means dead units
+    params: list[tuple[str, Any, Any]] = field(default_factory=list)  # parameters/buffers read: (target, shape, dtype)
+    placed: str | None = None  # plumbing moved into the module cluster that consumes it
+    folded: list["VisNode"] = field(default_factory=list)  # the same op in repeated blocks folded onto this one
+    plumbing: bool = False  # mask building / shape arithmetic rather than data flow
 
     @property
     def nonfinite(self) -> bool:
-        """True if the node's output (or its gradient) held NaN/Inf in some call."""
+        """True if the node's output (or its gradient) held NaN/Inf in some call (or a block folded onto it did)."""
         return bool(self.stats.get("nonfinite_calls") or self.stats.get("grad_nonfinite_calls")
-                    or self.origin or self.grad_origin)
+                    or self.origin or self.grad_origin or any(f.nonfinite for f in self.folded))
+
+    @property
+    def where(self) -> str:
+        """The module path the node is drawn under (its own, or the consuming cluster for plumbing)."""
+        return self.placed if self.placed is not None else self.module
 
     @property
     def dead_frac(self) -> float | None:
@@ -80,9 +89,9 @@ class VisNode:
     @property
     def cluster(self) -> str:
         """The module cluster the node is drawn in: a leaf module's call sits in its parent."""
-        if self.kind == "call_module":
+        if self.kind == "call_module" and self.placed is None:
             return self.module.rpartition(".")[0]
-        return self.module if self.kind not in ("placeholder", "output") else ""
+        return self.where if self.kind not in ("placeholder", "output") else ""
 
 
 @dataclass
@@ -96,9 +105,15 @@ class GraphView:
     failed_message: str | None = None
     calls: int = 0
     module_types: dict[str, str] = field(default_factory=dict)
+    folds: dict[str, str] = field(default_factory=dict)  # representative block path → "layer.0–11 ×12"
+    focus: set[str] = field(default_factory=set)  # module paths drawn expanded: they hold a finding
 
     def max_module_depth(self) -> int:
-        return max((len(n.module.split(".")) for n in self.nodes.values() if n.module), default=0)
+        return max((len(n.where.split(".")) for n in self.nodes.values() if n.where), default=0)
+
+    def display(self, path: str) -> str:
+        """How a module path is labelled: a folded run of repeated blocks reads ``layer.0–11 ×12``."""
+        return self.folds.get(path, path)
 
 
 def _failed_target(failed: Any) -> tuple[str | None, str | None]:

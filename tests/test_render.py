@@ -213,9 +213,14 @@ def test_depth_collapses_the_right_modules(tmp_path):
     text = " ".join(nodes["module/layer2"]["text"])
     assert f"{len(members)} ops" in text and "in (2, 8, 16, 16)" in text and "out (2, 16, 8, 8)" in text
 
-    nodes, root = parse(fxdebug.render(gm, tmp_path / "d2.svg", depth=2))
+    nodes, root = parse(fxdebug.render(gm, tmp_path / "d2.svg", depth=2, fold=False))
     groups = sorted(t for t in nodes if t.startswith("module/"))
     assert groups == ["module/layer1.0", "module/layer1.1", "module/layer2.0", "module/layer2.1"]
+    # Folded (the default): layer1's two identical blocks are one box; layer2.0 downsamples, 2.1 does not.
+    folded, _ = parse(fxdebug.render(gm, tmp_path / "d2f.svg", depth=2))
+    assert sorted(t for t in folded if t.startswith("module/")) == ["module/layer1.0", "module/layer2.0",
+                                                                     "module/layer2.1"]
+    assert "layer1.0–1 ×2 : BasicBlock" in folded["module/layer1.0"]["text"]
     assert "stem_0" in nodes  # stem's children are depth-2 leaf modules: one op each, drawn as is
     clusters = {g.get("id") for g in root.iter(f"{SVG}g") if g.get("class") == "cluster"}
     assert {"cluster/layer1", "cluster/layer2", "cluster/stem"} <= clusters
@@ -224,11 +229,17 @@ def test_depth_collapses_the_right_modules(tmp_path):
 
 def test_collapsed_box_aggregates_findings(sick, tmp_path):
     dbg, report, _ = sick
-    nodes, _ = parse(dbg.render(str(tmp_path / "agg.svg"), depth=1))
+    nodes, _ = parse(dbg.render(str(tmp_path / "agg.svg"), depth=1, fold=False))
     block = nodes["module/block"]
     assert block["fill"] == COLORS["dead"] and "worst dead 75% (block_act)" in block["text"]
     head = nodes["module/head"]
     assert head["fill"] == COLORS["origin"] and "NaN/Inf ORIGIN inside: log" in head["text"]
+    # By default the module holding the origin stays open, so the origin itself is drawn.
+    nodes, root = parse(dbg.render(str(tmp_path / "open.svg"), depth=1))
+    assert "module/head" not in nodes and nodes["log"]["fill"] == COLORS["origin"]
+    assert "module/block" in nodes
+    clusters = {g.get("id") for g in root.iter(f"{SVG}g") if g.get("class") == "cluster"}
+    assert "cluster/head" in clusters
 
 
 def test_output_is_deterministic(tmp_path):
