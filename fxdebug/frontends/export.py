@@ -34,6 +34,7 @@ from torch.fx import Graph, GraphModule
 from torch.fx import _pytree as fx_pytree
 
 from ..errors import TraceError, UsageError
+from ..faithful_export import export_shell, watched_export
 from ..meta import _clean_export_path, fx_meta
 from ..tracing import TraceInfo
 
@@ -260,8 +261,12 @@ def capture_export(
     start = time.perf_counter()
     args, kwargs = inputs
     info = TraceInfo(frontend="export")
+    shell = export_shell(model)  # the root's own hooks run at call time, not inside the graph
     try:
-        program = _export(model, args, kwargs, dynamic_batch, info.notes)
+        with watched_export(shell) as problems:
+            program = _export(shell, args, kwargs, dynamic_batch, info.notes)
+    except TraceError:
+        raise
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TraceError(
@@ -270,6 +275,8 @@ def capture_export(
             "frontend='subtrees' keeps the root eager and instruments the submodules that can be captured.",
             op=type(model).__name__,
         ) from exc
+    if problems:  # what export would get wrong (autograd.Functions, Python state): see faithful_export
+        raise problems[0]
     exported = program.module()
     graph = exported.graph
     space = nn.Module()

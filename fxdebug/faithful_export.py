@@ -1,0 +1,87 @@
+"""What ``torch.export`` would capture differently from the model, found before it is trusted.
+
+Non-strict ``torch.export`` runs the real Python on fake tensors, so grad-mode regions and buffer
+updates come out right. Three things do not, in torch 2.13, and each would give a graph that runs
+differently from the model with no error:
+
+* a custom ``torch.autograd.Function`` is inlined: its ``forward``'s aten ops are recorded and
+  its own ``backward`` is dropped;
+* assignments to plain Python attributes (``self.calls += 1``) happen while exporting and are
+  undone afterwards; the graph never performs them;
+* hooks on submodules are traced through once: their tensor ops are kept, their Python side
+  effects (appending to a list, counting) are not.
+
+The root's own hooks are not a problem: fxdebug runs them at every call of the instrumented
+module, so the root is exported without them (a shell whose hook dictionaries are empty) and
+``check`` refuses the other three with a ``TraceError`` naming the module and the line, so that
+``frontend="auto"`` moves on to the subtrees frontend, which keeps such modules eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections import OrderedDict
+from typing import Iterator
+
+from torch import nn
+
+from .errors import TraceError
+from .faithful import has_call_hooks, patched_for_tracing, writes_and_functions
+
+__all__ = ["export_shell", "watched_export"]
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+def export_shell(model: nn.Module) -> nn.Module:
+    """``model`` without its own call hooks (same children, parameters and buffers), for exporting."""
+    if not has_call_hooks(model):
+        return model
+    shell = copy.copy(model)
+    for name in _HOOK_DICTS:
+        if name in model.__dict__:
+            object.__setattr__(shell, name, OrderedDict())
+    return shell
+
+
+def _check_hooks(model: nn.Module) -> None:
+    for path, module in model.named_modules():
+        if path and has_call_hooks(module):
+            raise TraceError(
+                f"module '{path}' ({type(module).__name__}) has forward/backward hooks; torch.export would run "
+                "them once while capturing and keep only their tensor ops, not their Python effects. Use "
+                "frontend='symbolic' or 'subtrees' (hooked modules are called as modules there), or remove the hooks.",
+                module=path, op=type(module).__name__)
+
+
+@contextlib.contextmanager
+def watched_export(model: nn.Module) -> Iterator[list[TraceError]]:
+    """Around ``torch.export``: collects, in the yielded list, what the export got wrong (see above)."""
+    _check_hooks(model)
+    problems: list[TraceError] = []
+    paths = {id(m): p for p, m in model.named_modules()}
+    with patched_for_tracing(None, model, on_write="record"):
+        try:
+            yield problems
+        finally:
+            writes, functions = writes_and_functions()
+    for cls, where in functions:
+        at = f" at {where}" if where else ""
+        problems.append(TraceError(
+            f"{type(model).__name__} calls the autograd.Function {cls.__qualname__}{at}; torch.export inlines its "
+            "forward and drops its backward, so gradients would differ. Use frontend='symbolic' or 'subtrees', "
+            "which keep the Function as one node that calls it.", module="", op=cls.__qualname__))
+        break
+    for module, name, where in writes:
+        if name in module._buffers or name in module._parameters or name.startswith("_fxdebug"):
+            continue  # buffer updates are recorded by torch.export and performed by the graph
+        path = paths.get(id(module), "")
+        at = f" at {where}" if where else ""
+        problems.append(TraceError(
+            f"the forward of {path or type(model).__name__} ({type(module).__name__}){at} assigns self.{name}, "
+            "a Python attribute; torch.export undoes that after capturing and the graph would never perform it. "
+            "Use frontend='subtrees' (keeps that module eager) or make it a buffer.",
+            module=path, op=type(module).__name__))
+        break
