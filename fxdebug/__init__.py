@@ -17,12 +17,14 @@ from .context import PassContext, TensorSpec
 from .errors import (
     DeviceMismatchError,
     FxDebugError,
+    InplaceError,
     NonFiniteError,
     PassError,
     ShapeMismatchError,
     TraceError,
     UsageError,
 )
+from .gradcheck import GradcheckResult, gradcheck
 from .graph_nx import to_networkx
 from .api import instrument, render, trace
 from .instrumented import Instrumented
@@ -42,7 +44,9 @@ __all__ = [
     "Column",
     "DeviceMismatchError",
     "FxDebugError",
+    "GradcheckResult",
     "HIDDEN",
+    "InplaceError",
     "Inputs",
     "Instrumented",
     "LeafInfo",
@@ -73,6 +77,7 @@ __all__ = [
     "find_pattern",
     "fx_meta",
     "get_module",
+    "gradcheck",
     "graph_pass",
     "instrument",
     "is_batchnorm",
