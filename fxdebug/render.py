@@ -237,7 +237,7 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
     def emit(sub: Any, path: str, heading: str | None = None) -> None:
         for kind, obj in contents.get(path, []):
             if kind == "node":
-                label = node_label(obj)
+                label = node_label(obj, view.columns)
                 if heading is not None:
                     label = [heading, *label]
                 sub.node(obj.name, label=_lines(label), tooltip=_lines(node_tooltip(obj)),

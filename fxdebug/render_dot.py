@@ -14,7 +14,9 @@ formatting, and nothing depends on time, ids or hash order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
+
+from .columns import NONFINITE, Column
 
 from .render_view import GraphView, VisNode
 from .table import format_value
@@ -184,8 +186,8 @@ def _full(v: Any) -> str:
     return format_value(v) if isinstance(v, (tuple, list)) and all(isinstance(d, int) for d in v) else str(v)
 
 
-def node_label(v: VisNode) -> list[str]:
-    """The lines drawn inside a node's box."""
+def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
+    """The lines drawn inside a node's box (``columns``: the report's, for NaN/Inf counts)."""
     if v.kind == "placeholder":
         head = f"input {v.target.lstrip('*')}"
     elif v.kind == "output":
@@ -211,10 +213,13 @@ def node_label(v: VisNode) -> list[str]:
         lines.append("NaN/Inf ORIGIN")
     elif v.grad_origin:
         lines.append("NaN/Inf gradient ORIGIN")
-    if s.get("nonfinite_calls"):
-        lines.append(f"NaN/Inf in {s['nonfinite_calls']} call(s)")
-    if s.get("grad_nonfinite_calls"):
-        lines.append(f"NaN/Inf grad in {s['grad_nonfinite_calls']} call(s)")
+    for col in columns:
+        if col.has(NONFINITE) and s.get(col.key):
+            what = "NaN/Inf grad" if col.phase == "grad" else "NaN/Inf"
+            lines.append(f"{what} in {s[col.key]} call(s)" if col.key.endswith("_calls") else f"{col.label or col.key}: {s[col.key]}")
+    for key in v.hot:
+        if key != "dead_frac":
+            lines.append(f"hot: {key} {format_value(s[key])}")
     if v.failed:
         lines.append("FAILED check")
     if v.changed_by:

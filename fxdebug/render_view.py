@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.fx import GraphModule, Node
 
+from .columns import BASE_COLUMNS, COLOR, NONFINITE, Column, resolve_columns
 from .meta import fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .ops import is_relu
 
@@ -29,8 +30,9 @@ DEAD_HOTSPOT = 0.5
 dead fractions (a conv's negative channels, a pooled copy of a dead ReLU) follow from the ReLU's
 and are not highlighted, so the picture points at the unit to fix."""
 
-# Row keys that describe the node rather than measure it.
-BASE_KEYS = ("node", "module", "op", "shape", "dtype", "device", "added_by", "changed_by", "auto_leaf")
+BASE_KEYS = tuple(c.key for c in BASE_COLUMNS if c.key != "calls")
+"""Row keys that describe the node rather than measure it (the report's base columns; ``calls`` is
+a measurement and stays with the statistics)."""
 
 
 @dataclass
@@ -63,12 +65,13 @@ class VisNode:
     placed: str | None = None  # plumbing moved into the module cluster that consumes it
     folded: list["VisNode"] = field(default_factory=list)  # the same op in repeated blocks folded onto this one
     plumbing: bool = False  # mask building / shape arithmetic rather than data flow
+    bad: bool = False  # a NONFINITE or ORIGIN column of its row says it saw NaN/Inf
+    hot: list[str] = field(default_factory=list)  # COLOR columns at or above their threshold
 
     @property
     def nonfinite(self) -> bool:
         """True if the node's output (or its gradient) held NaN/Inf in some call (or a block folded onto it did)."""
-        return bool(self.stats.get("nonfinite_calls") or self.stats.get("grad_nonfinite_calls")
-                    or self.origin or self.grad_origin or any(f.nonfinite for f in self.folded))
+        return bool(self.bad or self.origin or self.grad_origin or any(f.nonfinite for f in self.folded))
 
     @property
     def where(self) -> str:
@@ -83,8 +86,8 @@ class VisNode:
 
     @property
     def dead(self) -> bool:
-        d = self.dead_frac
-        return d is not None and d >= DEAD_HOTSPOT
+        """A hot spot: some ``COLOR`` column at or above its threshold (a dead fraction: on a ReLU only)."""
+        return bool(self.hot)
 
     @property
     def cluster(self) -> str:
@@ -105,6 +108,7 @@ class GraphView:
     failed_message: str | None = None
     calls: int = 0
     module_types: dict[str, str] = field(default_factory=dict)
+    columns: list[Column] = field(default_factory=lambda: resolve_columns(()))  # the report's declarations
     folds: dict[str, str] = field(default_factory=dict)  # representative block path → "layer.0–11 ×12"
     focus: set[str] = field(default_factory=set)  # module paths drawn expanded: they hold a finding
 
@@ -163,6 +167,9 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
     """The ``GraphView`` of ``gm`` annotated with ``report`` (a ``Report`` or ``None``)."""
     nodes = list(gm.graph.nodes)
     rows = {r["node"]: r for r in (report.rows if report is not None else [])}
+    columns = list(getattr(report, "columns", None) or resolve_columns(()))
+    thresholds = hot_spot_thresholds(columns)
+    bad_keys = [c.key for c in columns if c.has(NONFINITE)]
     alias = {} if show_instrumentation else _aliases(nodes)
     failed_node, failed_message = _failed_target(failed)
     view_nodes: dict[str, VisNode] = {}
@@ -187,6 +194,11 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
             notes=[str(x) for x in meta.get("notes", [])],
             activation=n.op in ("call_module", "call_function", "call_method") and is_relu(n),
         )
+        if report is not None and hasattr(report, "nonfinite_in"):
+            vis.bad = bool(row) and report.nonfinite_in(row)
+        else:
+            vis.bad = any(row.get(k) for k in bad_keys)
+        vis.hot = _hot(vis, thresholds)
         if isinstance(meta.get("replaced"), str):
             vis.notes.append(f"replaces {meta['replaced']}")
         vis.failed = meta.get("failed") or row.get("failed")
@@ -215,7 +227,29 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
         failed_message=failed_message,
         calls=getattr(report, "calls", 0) or 0,
         module_types=_container_types(gm, paths),
+        columns=columns,
     )
+
+
+def hot_spot_thresholds(columns: list[Column]) -> dict[str, float]:
+    """``{row key: threshold}`` of the ``COLOR`` columns that declare one.
+
+    ``dead_frac`` keeps ``DEAD_HOTSPOT`` when no probe declared it (a user's probe reporting it).
+    """
+    out = {c.key: float(c.threshold) for c in columns if c.has(COLOR) and c.threshold is not None}
+    out.setdefault("dead_frac", DEAD_HOTSPOT)
+    return out
+
+
+def _hot(v: VisNode, thresholds: dict[str, float]) -> list[str]:
+    out = []
+    for key, limit in thresholds.items():
+        value = v.stats.get(key)
+        if key in ("dead_frac", "grad_dead_frac") and not v.activation:
+            continue  # other ops' dead fractions follow from the ReLU's (see DEAD_HOTSPOT)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value) and value >= limit:
+            out.append(key)
+    return out
 
 
 def _prefixes(path: str) -> list[str]:

@@ -28,6 +28,9 @@ class StatsProbe(fxdebug.Probe):
     key = "test-stats"
     columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5),
                fxdebug.Column("nonfinite_calls", roles=fxdebug.NONFINITE),
+               fxdebug.Column("nonfinite_first_call", roles=fxdebug.ORIGIN))
+    columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5),
+               fxdebug.Column("nonfinite_calls", roles=fxdebug.NONFINITE),
                fxdebug.Column("nonfinite_first_call", roles=(fxdebug.ORIGIN, fxdebug.HIDDEN)))
 
     def init_state(self, x, phase):
