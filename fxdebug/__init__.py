@@ -28,6 +28,7 @@ from .gradcheck import GradcheckResult, gradcheck
 from .graph_nx import to_networkx
 from .api import instrument, render, trace
 from .instrumented import Instrumented
+from . import numerics
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import SAMPLE, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind

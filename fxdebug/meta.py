@@ -60,7 +60,7 @@ def module_type(node: Node) -> str | None:
 
 def is_instrumentation(node: Node) -> bool:
     """True for nodes that fxdebug inserted only to watch another node."""
-    return node.meta.get(KEY, {}).get("role") in ("instrumentation", "clock", "guard")
+    return node.meta.get(KEY, {}).get("role") in ("instrumentation", "clock", "guard", "shadow")
 
 
 _EXPORT_PATH = re.compile(r"L\['self'\]\.?|L__self__\.?|\._modules\['([^']+)'\]|\[(\d+)\]")

@@ -74,6 +74,13 @@ class Report:
         return [r["node"] for r in self.rows if self.nonfinite_in(r, "forward")]
 
     @property
+    def precision_origin(self) -> str | None:
+        """With ``Shadow``: the node where the accumulated relative error grew most (``err_growth``)."""
+        from .numerics.shadow import precision_origin
+
+        return precision_origin(self.rows)
+
+    @property
     def ok(self) -> bool:
         """No non-finite value seen, forward or backward."""
         return self.first_nonfinite is None and self.first_nonfinite_grad is None and not any(

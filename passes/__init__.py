@@ -20,6 +20,7 @@ _WHERE = {
     "SwapActivation": "swap_activation",
     "Fuse": "fuse",
     "PruneMasks": "prune",
+    "Shadow": "shadow",
     "InplaceCheck": "inplace_check",
 }
 

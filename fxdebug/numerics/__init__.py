@@ -1,0 +1,16 @@
+"""Numerics debugging: precision shadow, precision plans, run diffs, flight recorder, repros.
+
+* ``add_shadow`` (the ``Shadow`` pass): every node also runs in float64; ``local_err``,
+  ``acc_err`` and ``err_growth`` per node, ``Report.precision_origin``.
+* ``precision_plan`` / ``keep_float`` (the ``Precision`` pass): the few nodes to keep in fp32.
+* ``diff``: two reports of one model aligned node by node; the first that diverges.
+* ``add_recorder`` (the ``Recorder`` pass, ``NaNCheck(history=N)``): the last N calls' per-node
+  statistics in a device ring buffer; ``Report.history``.
+* ``repro``: a standalone plain-torch script reproducing the first non-finite value or failure.
+"""
+
+from __future__ import annotations
+
+from .shadow import ShadowOp, ShadowProbe, add_shadow, as_shadow, precision_origin
+
+__all__ = ["ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "precision_origin"]
