@@ -25,6 +25,7 @@ from .errors import (
     UsageError,
 )
 from .gradcheck import GradcheckResult, gradcheck
+from . import when
 from .graph_nx import to_networkx
 from .api import instrument, render, trace
 from .instrumented import Instrumented
@@ -103,4 +104,5 @@ __all__ = [
     "systematic_sample",
     "to_networkx",
     "trace",
+    "when",
 ]

@@ -22,6 +22,8 @@ _WHERE = {
     "PruneMasks": "prune",
     "Shadow": "shadow",
     "InplaceCheck": "inplace_check",
+    "Breakpoint": "breakpoint",
+    "GradientCentralize": "gradient_centralize",
 }
 
 __all__ = sorted(_WHERE)

@@ -231,6 +231,6 @@ class InplaceCheck(fxdebug.Pass):
                     "message": finding.message, "node": mod.name, "module": finding.modified_by_module,
                     "op": finding.modified_by_op, "saved_by": saver.name})
             meta = fxdebug.fx_meta(guard)
-            meta.update(role="guard", observes=mod.name, module=finding.modified_by_module, added_by=self.name)
+            meta.update(role="guard", guards=mod.name, module=finding.modified_by_module, added_by=self.name)
             added.append(guard)
         return PassResult(gm, added=added, notes=[f.message for f in self.findings])

@@ -1,0 +1,100 @@
+"""``GradientCentralize``: subtract the mean of each weight gradient, at the node.
+
+Gradient centralisation (Yong et al., 2020) replaces the gradient ``g`` of a conv or linear weight
+with ``g - g.mean(dims other than the output channel)``. The guides teach it as a hook on each
+weight (``w.register_hook(...)``), which lives on the model until someone removes it. Here the
+selected conv/linear call is replaced by a call that passes its weight through an identity whose
+backward centralises the gradient: the forward is the module's own (bitwise the same output), the
+weight gradient equals what the hand-written hook gives, and dropping the instrumented module
+leaves nothing behind on the model.
+
+One-dimensional weights (and biases) are left alone, as in the paper. A module called at several
+nodes is centralised at each call; the gradient contributions are centralised before they sum,
+which is the same as centralising the sum, since centralisation is linear.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.fx import GraphModule
+
+import fxdebug
+from fxdebug import PassContext, PassResult, UsageError, Where
+
+__all__ = ["GradientCentralize", "centralize"]
+
+
+def centralize(g: Tensor) -> Tensor:
+    """``g`` minus its mean over every dim but the first (the output channel)."""
+    if g.dim() < 2:
+        return g
+    return g - g.mean(dim=tuple(range(1, g.dim())), keepdim=True)
+
+
+class _Centralized(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, w: Tensor) -> Tensor:
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        return centralize(g)
+
+
+class _CentralizedCall(nn.Module):
+    """Calls the original conv/linear with its weight passed through ``_Centralized``.
+
+    The module is referenced, not registered: its parameters stay where the model has them, so
+    ``state_dict()`` keys are unchanged and training this trains the model.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_target", module)
+
+    def forward(self, x: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        m = self._target
+        w = _Centralized.apply(m.weight) if torch.is_grad_enabled() and m.weight.requires_grad else m.weight
+        if isinstance(m, nn.Linear):
+            return F.linear(x, w, m.bias)
+        return m._conv_forward(x, w, m.bias)  # type: ignore[union-attr]
+
+    def extra_repr(self) -> str:
+        return f"centralizes {type(self._target).__name__}.weight"
+
+
+_SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class GradientCentralize(fxdebug.Pass):
+    """Centralise the weight gradients of the selected conv/linear modules.
+
+    Args:
+        where: the modules' nodes (globs / predicate); default every Conv1d/2d/3d and Linear.
+    """
+
+    name = "gradient-centralize"
+
+    def __init__(self, *, where: Where = None) -> None:
+        super().__init__(where=where)
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        replaced = {}
+        for node in ctx.nodes(gm, ops=("call_module",)):
+            module = fxdebug.get_module(gm, node)
+            if type(module) not in _SUPPORTED or module.weight.dim() < 2:
+                continue
+            if node.kwargs or len(node.args) != 1:
+                raise UsageError(f"GradientCentralize: {fxdebug.describe(node)} is called with extra arguments; "
+                                 "exclude it with where=.")
+            new = ctx.replace_with_module(node, _CentralizedCall(module), args=node.args)
+            fxdebug.fx_meta(new)["module_type"] = type(module).__name__
+            fxdebug.fx_meta(new)["module"] = str(node.target)
+            replaced[node.name] = new.name
+        if not replaced:
+            raise UsageError(f"GradientCentralize: where={self.where!r} selects no Conv or Linear module.")
+        return PassResult(gm, replaced=replaced)
