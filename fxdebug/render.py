@@ -18,7 +18,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from .context import PassContext
-from .errors import FxDebugError, UsageError
+from .errors import ArgumentTypeError, FxDebugError, UsageError
 from .render_dot import (
     AUTO_BUDGET,
     COLORS,
@@ -38,6 +38,7 @@ from .render_dot import (
     used_highlights,
 )
 from .render_fold import fold_view
+from .render_html import write_html
 from .render_view import GraphView, build_view
 
 __all__ = ["COLORS", "FIT_PT", "build_dot", "fit_source", "render", "svg_size"]
@@ -50,7 +51,7 @@ DOT_TIMEOUT_S = 600
 FIT_PT = 2500.0
 """The automatic depth keeps the picture's long side at most this many points (about a screen)."""
 _SIZE = re.compile(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"')
-_FORMATS = ("svg", "png", "pdf")
+_FORMATS = ("svg", "png", "pdf", "html")
 
 
 def render(
@@ -63,8 +64,10 @@ def render(
     failed: Any = None,
     report: Any = None,
     fold: bool = True,
+    diff: Any = None,
 ) -> str:
-    """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work).
+    """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work;
+    ``.html`` writes the interactive viewer, one self-contained file that opens offline).
 
     Args:
         model_or_gm: an ``Instrumented`` module (its report is drawn), any ``GraphModule``, or a
@@ -86,6 +89,8 @@ def render(
         fold: fold what a reader does not need as boxes (``render_fold``): parameters onto the ops
             reading them, mask/shape plumbing into the cluster consuming it, and runs of identical
             repeated blocks into one block labelled ``layer.0–11 ×12``. ``False`` draws every node.
+        diff: for ``.html``: a ``fxdebug.diff(...)`` result (or ``{node: number}``) the viewer can
+            colour by, with its first divergent node one click away.
 
     Returns the path of the picture. Raises ``FxDebugError`` (after writing the ``.dot``) when
     graphviz's ``dot`` is not installed, saying how to install it.
@@ -93,8 +98,18 @@ def render(
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise UsageError(f"depth must be a positive int (1 = top-level modules) or None for automatic; got {depth!r}.")
     out_path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(out_path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"cannot write the picture to {out_path!r}: the directory {os.path.dirname(out_path)!r} does "
+                         f"not exist. Create it first (os.makedirs({os.path.dirname(out_path)!r})) or pick another path.")
     stem, ext = os.path.splitext(out_path)
     fmt = ext.lstrip(".").lower() or "svg"
+    if fmt in ("html", "htm"):
+        gm, report = _resolve(model_or_gm, example_inputs, report)
+        return write_html(build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed),
+                          out_path, diff=diff)
+    if diff is not None:
+        raise UsageError("diff= colours the interactive viewer; write an .html file to use it.")
     if fmt not in _FORMATS:
         raise UsageError(f"render() writes {', '.join(_FORMATS)}; {out_path!r} ends in {ext!r}. Use e.g. 'model.svg'.")
     if not ext:
@@ -172,7 +187,7 @@ def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, A
     """
     if not isinstance(obj, GraphModule):
         hint = " (it is a class: instantiate it first)" if isinstance(obj, type) else ""
-        raise UsageError(f"render() needs an nn.Module or a GraphModule; got {type(obj).__name__}{hint}.")
+        raise ArgumentTypeError(f"render() needs an nn.Module or a GraphModule; got {type(obj).__name__}{hint}.")
     if example_inputs is not None:
         PassContext(example_inputs).specs(obj)  # writes shape/dtype/device into node meta
     return obj, report

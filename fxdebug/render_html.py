@@ -1,0 +1,188 @@
+"""``render("model.html")``: the interactive viewer, one self-contained file that opens offline.
+
+The page carries the graph as JSON (every node with its shape, statistics, parameters, source
+line and pass provenance; the report's column declarations; the findings) and two scripts inlined
+from ``fxdebug/render_assets``: dagre (a maintained graph-layout library from npm, vendored with
+its licence) and ``viewer.js``, which draws only what is visible — module clusters start as one
+box each and are laid out when expanded — so large graphs open quickly. Nothing is fetched from
+the network.
+
+The view is the SVG's (``render_view``) with the same folds for parameters, asserts and plumbing
+(``render_fold``), but repeated blocks stay separate: in the viewer each can be expanded. Folded
+parameter and assert nodes are kept in the data as hidden nodes, so the node count the page shows
+is the graph's.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from importlib import resources
+from typing import Any
+
+from .render_fold import fold_asserts, fold_params, focus_paths, place_plumbing
+from .render_view import GraphView, VisNode
+
+__all__ = ["ASSETS", "html_data", "viewer_html", "write_html"]
+
+ASSETS = ("dagre.min.js", "viewer.js", "viewer.css", "dagre-LICENSE")
+"""The files under ``fxdebug/render_assets`` the page is built from (shipped as package data)."""
+
+
+def _asset(name: str) -> str:
+    return resources.files("fxdebug").joinpath("render_assets", name).read_text(encoding="utf-8")
+
+
+def _jsonable(value: Any) -> Any:
+    """Numbers JSON can carry (NaN/Inf become strings), tuples as lists, anything else as text."""
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    item = getattr(value, "item", None)
+    if callable(item):
+        try:
+            return _jsonable(item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(value)
+
+
+def _node(v: VisNode, index: dict[str, int], hidden: bool) -> dict[str, Any]:
+    return {
+        "name": v.name, "op": v.label, "kind": v.kind, "module": v.module, "module_type": v.module_type,
+        "cluster": "" if hidden else v.cluster, "hidden": hidden,
+        "shape": _jsonable(v.shape), "dtype": v.dtype, "device": v.device, "stats": _jsonable(v.stats),
+        "params": [[t, _jsonable(s)] for t, s, _ in v.params],
+        "inputs": [index[i] for i in v.inputs if i in index],
+        "origin": v.origin, "grad_origin": v.grad_origin, "failed": v.failed, "nonfinite": v.nonfinite,
+        "dead": v.dead, "plumbing": v.plumbing, "probes": v.probes, "added_by": v.added_by,
+        "changed_by": v.changed_by, "notes": v.notes, "source": v.source,
+    }
+
+
+def _diff_values(diff: Any) -> tuple[dict[str, float], str | None, str]:
+    """``({node: value}, first divergent node, label)`` from a ``fxdebug.diff`` result or a mapping."""
+    if diff is None:
+        return {}, None, ""
+    if isinstance(diff, dict):
+        return {str(k): float(v) for k, v in diff.items() if isinstance(v, (int, float))}, None, "diff"
+    rows = getattr(diff, "rows", None)
+    if rows is None:
+        raise TypeError(f"diff= takes a fxdebug.diff(...) result (with .rows) or a {{node: number}} dict; got "
+                        f"{type(diff).__name__}.")
+    key = getattr(diff, "key", None)
+    values: dict[str, float] = {}
+    for row in rows:
+        if key is None:
+            key = next((k for k, v in row.items() if k != "node" and isinstance(v, (int, float))
+                        and not isinstance(v, bool)), None)
+        v = row.get(key) if key is not None else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            values[str(row["node"])] = float(v)
+    return values, getattr(diff, "first_divergent", None), str(key or "diff")
+
+
+def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
+    """The JSON the page reads: nodes (hidden ones too), module types, columns, findings, diff."""
+    everything = dict(view.nodes)
+    fold_params(view)
+    fold_asserts(view)
+    place_plumbing(view)
+    view.focus = focus_paths(view)
+    index = {name: i for i, name in enumerate(everything)}
+    values, first_divergent, label = _diff_values(diff)
+    return {
+        "model": view.model_type,
+        "nodes": [_node(v, index, name not in view.nodes) for name, v in everything.items()],
+        "modules": view.module_types,
+        "columns": [_jsonable(c.to_dict()) for c in view.columns if c.key not in ("node", "module", "op", "shape",
+                                                                                    "dtype", "device")],
+        "first_nonfinite": view.first_nonfinite,
+        "first_nonfinite_grad": view.first_nonfinite_grad,
+        "failed_message": view.failed_message,
+        "calls": view.calls,
+        "diff": values or None,
+        "diff_first": first_divergent,
+        "diff_label": label,
+    }
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>@@TITLE@@ — fxdebug</title>
+<style>
+@@CSS@@
+</style>
+</head>
+<body>
+<header>
+  <h1 id="title"></h1>
+  <span><b id="node-count"></b> graph nodes (<span id="op-count"></span> drawn as boxes, parameters and
+    buffers listed on the ops that read them) in <b id="module-count"></b> modules</span>
+  <span id="visible"></span>
+  <label>search <input id="search" type="search" placeholder="node name or module path, Enter"></label>
+  <label>colour by <select id="colour"><option value="">findings</option></select></label>
+  <span id="scale"></span>
+  <button id="fit" type="button">fit</button>
+  <span id="findings"></span>
+</header>
+<div id="main">
+  <svg id="canvas" xmlns="http://www.w3.org/2000/svg">
+    <defs><marker id="arrow" viewBox="0 0 10 10" refX="10" refY="5" markerWidth="7" markerHeight="7"
+      orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#666"/></marker></defs>
+  </svg>
+  <aside>
+    <ul id="results"></ul>
+    <div id="details"><p>Click a box to expand a module; click a node for its statistics, shapes, source line
+    and pass provenance; click an open module's title to collapse it. Drag to pan, wheel to zoom.</p></div>
+    <details><summary>licences</summary><pre id="licence">@@LICENCE@@</pre></details>
+  </aside>
+</div>
+<script id="fxdebug-data" type="application/json">@@DATA@@</script>
+<script>
+/* @dagrejs/dagre 3.1.3, MIT licence (see "licences" in the side panel) */
+@@DAGRE@@
+</script>
+<script>
+@@VIEWER@@
+</script>
+</body>
+</html>
+"""
+
+
+def _script(text: str) -> str:
+    """JavaScript safe inside a ``<script>`` element, without its source-map comment."""
+    lines = [ln for ln in text.splitlines() if not ln.startswith("//# sourceMappingURL=")]
+    return "\n".join(lines).replace("</script", "<\\/script")
+
+
+def viewer_html(view: GraphView, diff: Any = None) -> str:
+    """The whole page for ``view`` as one string."""
+    data = json.dumps(html_data(view, diff), separators=(",", ":"), allow_nan=False)
+    parts = {
+        "TITLE": html.escape(view.model_type), "CSS": _asset("viewer.css"),
+        "LICENCE": html.escape(_asset("dagre-LICENSE")), "DATA": data.replace("</", "<\\/"),
+        "DAGRE": _script(_asset("dagre.min.js")), "VIEWER": _script(_asset("viewer.js")),
+    }
+    page = _PAGE
+    for key in ("TITLE", "CSS", "LICENCE", "DATA", "DAGRE", "VIEWER"):  # data last-but-two: it may hold "@@"
+        page = page.replace(f"@@{key}@@", parts[key], 1)
+    return page
+
+
+def write_html(view: GraphView, path: str | os.PathLike[str], diff: Any = None) -> str:
+    """Write the viewer for ``view`` to ``path``; returns the path."""
+    out = os.fspath(path)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(viewer_html(view, diff))
+    return out
