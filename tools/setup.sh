@@ -16,4 +16,14 @@ if ! command -v dot >/dev/null 2>&1; then
     echo "setup: graphviz's 'dot' is missing; install graphviz (brew install graphviz / conda install graphviz)" >&2
   fi
 fi
+# The HTML viewer's browser tests (tests/test_viewer.py) drive Debian's chromium through its driver.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && SUDO="sudo"
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ -n "$SUDO" ]; }; then
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1 \
+      || echo "setup: could not install chromium/chromium-driver; the browser tests will be skipped" >&2
+  else
+    echo "setup: no apt-get here; install chromium and chromedriver to run the browser tests (skipped otherwise)" >&2
+  fi
+fi
 "$PY" -m pip install -q -e ".[test]"
