@@ -15,9 +15,11 @@ statistics, devices) or transform it, read a per-node report, and draw the annot
 from .columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
 from .context import PassContext, TensorSpec
 from .errors import (
+    ArgumentTypeError,
     DeviceMismatchError,
     FxDebugError,
     InplaceError,
+    MissingInputsError,
     NonFiniteError,
     PassError,
     ShapeMismatchError,
@@ -42,6 +44,7 @@ from .tracing import Inputs, LeafInfo, TraceInfo
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
     "COLOR",
     "Column",
     "DeviceMismatchError",
@@ -53,6 +56,7 @@ __all__ = [
     "Instrumented",
     "LeafInfo",
     "Match",
+    "MissingInputsError",
     "NONFINITE",
     "NonFiniteError",
     "ORIGIN",

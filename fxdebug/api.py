@@ -8,6 +8,7 @@ knows which frontend made a module: the parts say it.
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Any, Sequence
 
@@ -15,26 +16,33 @@ from torch import nn
 from torch.fx import GraphModule
 
 from .context import PassContext
-from .errors import FxDebugError, TraceError, UsageError
+from .errors import ArgumentTypeError, FxDebugError, MissingInputsError, TraceError, UsageError
 from .frontends.base import Frontend, TraceOptions
 from .frontends.graphs import ExportFrontend, SymbolicFrontend
 from .frontends.subtrees import SubtreesFrontend
 from .instrumented import Instrumented
+from .meta import graph_record
+from .modes import remember
 from .passes_api import Pass, PassManager, validate_passes
 from .render import render as draw
 from .report import Report
-from .tracing import Inputs, normalize_inputs
+from .runtime.lower import lower_observers
+from .inputs import Inputs, normalize_inputs
+from .usage import check_example_inputs, check_options, check_where_matched
+from .verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
 
 FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
 _CHOICES = ("auto", *FRONTENDS)
+# instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
+_INSTRUMENT_OWN = ("prior_report", "verify")
 
 
 def _check_model(model: Any, fn: str) -> nn.Module:
     if not isinstance(model, nn.Module):
         hint = " (it is a class: instantiate it first)" if isinstance(model, type) else ""
-        raise UsageError(f"{fn}() needs a torch.nn.Module instance; got {type(model).__name__}{hint}.")
+        raise ArgumentTypeError(f"{fn}() needs a torch.nn.Module instance; got {type(model).__name__}{hint}.")
     return model
 
 
@@ -65,14 +73,18 @@ def trace(
     """
     _check_model(model, "trace")
     if isinstance(model, Instrumented):
-        return model.retrace()
+        again = model.retrace()
+        remember(again, model, (), example_inputs, {}, instrument)
+        return again
     if frontend not in _CHOICES:
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_CHOICES)}.")
     inputs = normalize_inputs(example_inputs)
+    check_example_inputs(model, inputs)
     options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
-    if frontend != "auto":
-        return FRONTENDS[frontend].capture(model, inputs, options)
-    return _trace_auto(model, inputs, options)
+    gm = FRONTENDS[frontend].capture(model, inputs, options) if frontend != "auto" else _trace_auto(model, inputs, options)
+    remember(gm, model, (), example_inputs,  # so that a switch of training mode captures that mode's graph
+             {"leaf_modules": tuple(leaf_modules), "auto_leaf": auto_leaf, "dynamic_batch": dynamic_batch}, instrument)
+    return gm
 
 
 def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
@@ -118,12 +130,13 @@ def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any =
     """
     pass_list = list(passes)
     observe_only = all(p.observe_only for p in pass_list)
+    check_where_matched(pass_list, gm.parts())
     for path, part in gm.parts().items():
         recorded = part.recorded_inputs()
         if recorded is not None:
             inputs: Any = Inputs(*recorded[0], **recorded[1])
         elif path:
-            raise TraceError(f"no recorded inputs for captured module '{path}'; trace the model again "
+            raise MissingInputsError(f"no recorded inputs for captured module '{path}'; trace the model again "
                              "with example_inputs before instrumenting it.", module=path)
         else:
             inputs = example_inputs
@@ -134,7 +147,8 @@ def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any =
         new = manager.run(part, ctx)
         if ctx.inputs is not None and (not observe_only or recorded is not None):
             ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
-        new.meta.setdefault("fxdebug", {}).setdefault("passes", []).extend(manager.results)
+        lower_observers(new)  # fused observers become direct op calls (runtime/lower.py)
+        graph_record(new).passes.extend(manager.results)
         gm = gm.replace_part(path, new)  # type: ignore[arg-type]
     return gm
 
@@ -154,13 +168,18 @@ def instrument(
     ``trace`` (``leaf_modules``, ``auto_leaf``, ``frontend``).
     """
     _check_model(model, "instrument")
+    check_options("instrument", trace_options, (*_INSTRUMENT_OWN, *inspect.signature(trace).parameters))
     pass_list = validate_passes(passes)
     prior = trace_options.pop("prior_report", None)
+    check = trace_options.pop("verify", False)
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
     gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
-    gm.meta.setdefault("fxdebug", {})["instrument_seconds"] = time.perf_counter() - start
+    remember(gm, model, pass_list, example_inputs, trace_options, instrument)
+    graph_record(gm).instrument_seconds = time.perf_counter() - start
+    if check:  # outputs, every gradient and buffers against the model, in train and eval mode
+        verify(gm, example_inputs).raise_if_failed()
     return gm
 
 

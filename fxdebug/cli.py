@@ -3,7 +3,7 @@
 Commands::
 
     fxdebug demo [-o demo.svg]
-    fxdebug render TARGET --input 1,3,224,224 [--depth K] [-o graph.svg]
+    fxdebug render TARGET --input 1,3,224,224 [--depth K] [-o graph.svg] [--html]
     fxdebug check  TARGET --input 1,3,224,224 [--nan] [--shapes] [--stats] [--devices]
                    [--batches N] [--data batches.pt] [--json out.json] [-o graph.svg]
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from typing import Any, Sequence
@@ -51,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     target_args(r)
     r.add_argument("-o", "--output", default="graph.svg", help="output picture (default graph.svg)")
     r.add_argument("--show-instrumentation", action="store_true", help="draw fxdebug's own observer nodes")
+    r.add_argument("--html", action="store_true",
+                   help="write the interactive viewer (one offline HTML file; -o defaults to graph.html)")
 
     c = sub.add_parser("check", help="run observe passes over batches; exit 1 if a problem is found")
     target_args(c)
@@ -125,6 +128,8 @@ def _render(args: argparse.Namespace) -> int:
 
     model = load_target(args.target)
     example = _inputs(args, 1)[0]
+    if args.html and not args.output.lower().endswith((".html", ".htm")):
+        args.output = os.path.splitext(args.output)[0] + ".html"
     try:
         path = render(model, args.output, example, depth=args.depth, show_instrumentation=args.show_instrumentation)
     except FxDebugError as exc:

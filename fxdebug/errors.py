@@ -9,7 +9,14 @@ The hierarchy::
     ├── NonFiniteError      (FxDebugError, FloatingPointError)   NaN/Inf appeared (raise mode)
     ├── DeviceMismatchError (FxDebugError, RuntimeError)   an op's inputs sit on different devices
     ├── InplaceError        (FxDebugError, RuntimeError)   an in-place op would overwrite a tensor saved for backward
-    └── UsageError          (FxDebugError, TypeError)      fxdebug was called with the wrong kind of thing
+    ├── VerificationError   (FxDebugError, AssertionError) the instrumented module computes differently from the model
+    └── UsageError          (FxDebugError, ValueError)     fxdebug was called with a value it cannot use
+        ├── ArgumentTypeError  (UsageError, TypeError)     ... the wrong kind of thing (not a module, a class)
+        └── MissingInputsError (UsageError)                ... an operation needs example inputs, none were given
+
+One class per meaning: a bad option value is a ``UsageError`` (so a ``ValueError``); a wrong type
+is an ``ArgumentTypeError`` (also a ``TypeError``); "this needs example inputs" is always a
+``MissingInputsError``, whichever step needed them (a frontend, a pass's ``requires``, a run).
 
 Each subclass also inherits the builtin a user would already catch, so ``except ValueError``
 keeps working around code that now runs under fxdebug. Context is carried as keyword-only
@@ -21,14 +28,17 @@ what to do about it.
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentTypeError",
     "DeviceMismatchError",
     "FxDebugError",
     "InplaceError",
+    "MissingInputsError",
     "NonFiniteError",
     "PassError",
     "ShapeMismatchError",
     "TraceError",
     "UsageError",
+    "VerificationError",
 ]
 
 
@@ -104,5 +114,28 @@ def _rebuild_inplace(message, node, module, op, pass_name, saved_by):
     return InplaceError(message, node=node, module=module, op=op, pass_name=pass_name, saved_by=saved_by)
 
 
-class UsageError(FxDebugError, TypeError):
-    """fxdebug itself was called wrongly: not a module, a bad option value, a wrong type."""
+class VerificationError(FxDebugError, AssertionError):
+    """``fxdebug.verify`` found outputs, gradients or buffers that differ from the model's.
+
+    ``node`` is the first node where the two runs part (when it could be located); ``result``
+    the full ``fxdebug.verify.Verification``.
+    """
+
+    def __init__(self, message: str, *, result: object = None, **context: str | None) -> None:
+        super().__init__(message, **context)
+        self.result = result
+
+
+class UsageError(FxDebugError, ValueError):
+    """fxdebug was called with a value it cannot use: a bad option, a selection matching nothing."""
+
+
+class ArgumentTypeError(UsageError, TypeError):
+    """fxdebug was called with the wrong kind of thing: not a module, a class instead of an instance."""
+
+
+class MissingInputsError(UsageError):
+    """An operation needs example inputs (to learn shapes, to run the model) and none were given.
+
+    ``pass_name`` is set when a pass's ``requires`` asked for them.
+    """

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from .errors import UsageError
+from .errors import ArgumentTypeError
 from .render_view import build_view
 
 __all__ = ["to_networkx"]
@@ -35,7 +35,7 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
     except ImportError:  # pragma: no cover - networkx is a declared dependency
         raise ImportError("fxdebug.to_networkx() needs networkx: pip install networkx.") from None
     if not isinstance(gm, GraphModule):
-        raise UsageError(f"to_networkx() needs a torch.fx.GraphModule (e.g. from fxdebug.trace); got {type(gm).__name__}.")
+        raise ArgumentTypeError(f"to_networkx() needs a torch.fx.GraphModule (e.g. from fxdebug.trace); got {type(gm).__name__}.")
     if report is None and callable(getattr(gm, "observers", None)) and gm.observers():
         report = gm.report()
     view = build_view(gm, report, show_instrumentation=instrumentation)

@@ -30,7 +30,8 @@ from torch.fx import Graph, GraphModule
 from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
 from .errors import FxDebugError
-from .meta import fx_meta
+from .meta import INSTRUMENTATION, KEY, GraphRecord, graph_record, node_meta
+from .modes import ensure_mode
 from .observe import Clock, Observer
 from .render import render as draw
 from .report import Report, build_report, merge_reports
@@ -58,7 +59,7 @@ class Instrumented(GraphModule):
         _adopt_hierarchy(gm, model)
         if namespace is not None:
             gm._modules[NAMESPACE] = namespace  # GraphModule copied it with persistent buffers; keep ours
-        gm.meta["fxdebug"] = {"trace": info, "passes": [], "model_type": type(model).__name__}
+        gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
         return gm
 
     def recompile(self) -> Any:
@@ -67,6 +68,7 @@ class Instrumented(GraphModule):
         return code
 
     def _call_with_diagnosis(self, *args: Any, **kwargs: Any) -> Any:
+        ensure_mode(self)  # the graph captured for the training flags the modules have now (fxdebug.modes)
         try:
             return nn.Module.__call__(self, *args, **kwargs)
         except FxDebugError:
@@ -82,14 +84,22 @@ class Instrumented(GraphModule):
                 raise
             raise err from exc
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            from .face import model_attribute  # the model's own methods/attributes (generate, config)
+
+            return model_attribute(self, name)
+
     # -- what fxdebug knows -----------------------------------------------------------------------
     @property
     def trace_info(self) -> TraceInfo:
-        return self.meta.get("fxdebug", {}).get("trace") or TraceInfo()
+        return graph_record(self).trace or TraceInfo()
 
     @property
     def pass_results(self) -> list[Any]:
-        return self.meta.get("fxdebug", {}).get("passes", [])
+        return graph_record(self).passes
 
     def parts(self) -> dict[str, "Instrumented"]:
         """``{module path: Instrumented}`` for every captured part, in execution order.
@@ -125,8 +135,11 @@ class Instrumented(GraphModule):
     def _own_observers(self) -> dict[str, Observer]:
         out = {}
         for n in self.graph.nodes:
-            if n.op == "call_module" and fx_meta(n).get("role") == "instrumentation":
-                out[fx_meta(n)["observes"]] = self.get_submodule(str(n.target))
+            meta = node_meta(n)
+            if n.op == "call_module" and meta.role == INSTRUMENTATION and meta.observes is not None:
+                obs = self.get_submodule(str(n.target))
+                if isinstance(obs, Observer):
+                    out[meta.observes] = obs
         return out
 
     def _clock(self) -> Clock | None:
@@ -193,16 +206,15 @@ class Instrumented(GraphModule):
             warnings.simplefilter("ignore", FutureWarning)
             graph = copy.deepcopy(self.graph)
         for node in graph.nodes:  # Graph.__deepcopy__ copies node.meta shallowly: own fxdebug's dicts
-            if "fxdebug" in node.meta:
-                node.meta["fxdebug"] = copy.deepcopy(node.meta["fxdebug"])
-        res = Instrumented(self, graph, class_name=self.meta.get("fxdebug", {}).get("model_type", "GraphModule"))
+            if KEY in node.meta:
+                node.meta[KEY] = copy.deepcopy(node.meta[KEY])
+        record = graph_record(self)
+        res = Instrumented(self, graph, class_name=record.model_type)
         _adopt_hierarchy(res, self)
         if NAMESPACE in self._modules:
             res._modules[NAMESPACE] = copy.deepcopy(self._modules[NAMESPACE])
             res.recompile()
-        info = self.meta.get("fxdebug", {})
-        res.meta["fxdebug"] = {"trace": info.get("trace"), "passes": list(info.get("passes", [])),
-                               "model_type": info.get("model_type")}
+        res.meta[KEY] = record.copy()
         return res
 
     # -- copying and saving ---------------------------------------------------------------------
@@ -256,6 +268,15 @@ def _adopt_hierarchy(gm: GraphModule, model: nn.Module) -> None:
     gm._buffers = model._buffers
     gm._non_persistent_buffers_set = model._non_persistent_buffers_set
     gm.training = model.training
+    # The root's own hooks are the model's (same dicts): a graph holds the forward only, and the
+    # model's forward/backward hooks and pre-hooks run around it at every call, as around the model.
+    for name in _ROOT_HOOKS:
+        if name in model.__dict__:
+            object.__setattr__(gm, name, model.__dict__[name])
+
+
+_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any],
@@ -264,7 +285,7 @@ def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dic
     for k, v in extras.items():
         setattr(root, k, v)
     graph = deserialize_graph(rows, pytree_info)
-    gm = Instrumented(root, graph, class_name=meta.get("fxdebug", {}).get("model_type", "GraphModule"))
+    gm = Instrumented(root, graph, class_name=meta.get(KEY, {}).get("model_type", "GraphModule"))
     _adopt_hierarchy(gm, root)
     gm.meta = meta
     return gm

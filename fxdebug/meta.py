@@ -1,35 +1,220 @@
-"""The one door to fxdebug's node metadata, ``node.meta["fxdebug"]``.
+"""The one door to fxdebug's metadata: ``node.meta["fxdebug"]`` and ``gm.meta["fxdebug"]``.
 
 fxdebug writes only under that key; torch's own keys (``tensor_meta``, ``val``,
-``nn_module_stack``, ``stack_trace``) are read, never written. Keys in use:
+``nn_module_stack``, ``stack_trace``) are read, never written. ``node_meta(node)`` is the typed
+view passes and the core use (``node_meta(n).role = INSTRUMENTATION``); ``fx_meta(node)`` is the
+raw dict underneath, for keys a pass of one's own adds. Keys fxdebug itself uses:
 
 =================  ==========================================================================
 ``module``         dotted path of the module that owns the node (``""`` for the root)
 ``module_type``    class name of that module (``"Conv2d"``), where known
 ``added_by``       name of the pass that inserted the node
 ``changed_by``     list of passes that rewrote the node
+``replaced``       ``"op (old node)"`` the node stands in for (``replace_with_module``)
+``rewritten_from`` names of the nodes a pattern rewrite replaced (``replace_pattern``)
 ``observes``       for an instrumentation node: name of the node it watches
-``role``           ``"instrumentation"`` for nodes that only watch
+``role``           ``INSTRUMENTATION`` (watches), ``CLOCK`` (counts calls), ``GUARD`` (checks inputs)
+``probes``         for an observer node: the keys of the probes attached to it
+``shape``          ``dtype``, ``device``: what the example run saw (strings for dtype/device)
+``source``         the user's source frame, for nodes fxdebug inserted (torch's ``stack_trace``
+                   of the node they stand beside, copied here rather than into torch's key)
 ``auto_leaf``      why the module became a leaf during tracing
+``keep_unused``    a node nothing reads on purpose (the manager does not flag it)
+``failed``         a message: this node failed a check (drawn red)
 ``notes``          free-form sentences passes attach for the report and the picture
 =================  ==========================================================================
+
+The graph-level record, ``gm.meta["fxdebug"]``, is a ``GraphRecord``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, Generic, Iterator, Mapping, TypeVar, overload
 
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
-__all__ = ["describe", "fx_meta", "is_instrumentation", "module_path", "module_type", "op_label", "source_line"]
+__all__ = [
+    "CLOCK",
+    "GUARD",
+    "INSTRUMENTATION",
+    "KEY",
+    "GraphRecord",
+    "NodeMeta",
+    "describe",
+    "fx_meta",
+    "graph_record",
+    "is_instrumentation",
+    "module_path",
+    "module_type",
+    "node_meta",
+    "op_label",
+    "source_line",
+]
 
 KEY = "fxdebug"
+
+# Roles of nodes fxdebug inserts that compute nothing the model computes.
+INSTRUMENTATION = "instrumentation"  # watches another node (``observes`` names it)
+CLOCK = "clock"  # counts forward calls, once per graph
+GUARD = "guard"  # checks the inputs (export graphs' shape guard)
+_WATCHING_ROLES = frozenset((INSTRUMENTATION, CLOCK, GUARD))
+
+T = TypeVar("T")
 
 
 def fx_meta(node: Node) -> dict[str, Any]:
     """Return (creating if needed) the fxdebug metadata dict of ``node``."""
     return node.meta.setdefault(KEY, {})
+
+
+class _Key(Generic[T]):
+    """One typed key of ``node.meta["fxdebug"]``: reads give ``default`` when absent."""
+
+    def __init__(self, default: T) -> None:
+        self.default = default
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> "_Key[T]": ...
+    @overload
+    def __get__(self, obj: "NodeMeta", owner: type) -> T: ...
+    def __get__(self, obj: "NodeMeta | None", owner: type) -> "T | _Key[T]":
+        if obj is None:
+            return self
+        raw = obj.node.meta.get(KEY, {})
+        if self.name in raw:
+            return raw[self.name]  # type: ignore[no-any-return]
+        return list(self.default) if isinstance(self.default, list) else self.default  # type: ignore[return-value]
+
+    def __set__(self, obj: "NodeMeta", value: T) -> None:
+        obj.raw[self.name] = value
+
+
+class NodeMeta:
+    """Typed view of one node's ``node.meta["fxdebug"]`` (created on first write).
+
+    ``node_meta(n).added_by = "my-pass"``; reading an absent key gives its default (``None``,
+    ``False`` or an empty list: ``changed_by`` and ``probes`` are returned as stored, so append
+    through ``add_changed_by`` / ``add_probe``).
+    """
+
+    __slots__ = ("node",)
+
+    module: _Key[str | None] = _Key(None)
+    module_type: _Key[str | None] = _Key(None)
+    added_by: _Key[str | None] = _Key(None)
+    changed_by: _Key[list[str]] = _Key([])
+    replaced: _Key[str | None] = _Key(None)
+    rewritten_from: _Key[list[str]] = _Key([])
+    observes: _Key[str | None] = _Key(None)
+    role: _Key[str | None] = _Key(None)
+    probes: _Key[list[str]] = _Key([])
+    shape: _Key[tuple[int, ...] | None] = _Key(None)
+    dtype: _Key[str | None] = _Key(None)
+    device: _Key[str | None] = _Key(None)
+    source: _Key[str | None] = _Key(None)
+    auto_leaf: _Key[str | None] = _Key(None)
+    keep_unused: _Key[bool] = _Key(False)
+    failed: _Key[str | None] = _Key(None)
+    notes: _Key[list[str]] = _Key([])
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The dict underneath (``fx_meta(node)``)."""
+        return fx_meta(self.node)
+
+    def add_changed_by(self, pass_name: str) -> None:
+        changed = self.raw.setdefault("changed_by", [])
+        if pass_name not in changed:
+            changed.append(pass_name)
+
+    def add_probe(self, key: str) -> None:
+        self.raw.setdefault("probes", []).append(key)
+
+    def watch(self, role: str, observes: Node | None = None) -> None:
+        """Mark the node as fxdebug's own (``INSTRUMENTATION``, ``CLOCK``, ``GUARD``)."""
+        if role not in _WATCHING_ROLES:
+            raise ValueError(f"role {role!r} is not one of {sorted(_WATCHING_ROLES)}.")
+        self.role = role
+        if observes is not None:
+            self.observes = observes.name
+
+    def __repr__(self) -> str:
+        return f"NodeMeta({self.node.name!r}, {self.node.meta.get(KEY, {})!r})"
+
+
+def node_meta(node: Node) -> NodeMeta:
+    """The typed view of ``node.meta["fxdebug"]``."""
+    return NodeMeta(node)
+
+
+@dataclass
+class GraphRecord(Mapping[str, Any]):
+    """What fxdebug knows about a whole captured graph: ``gm.meta["fxdebug"]``.
+
+    Attributes:
+        trace: how the model was captured (a ``TraceInfo``).
+        passes: every pass run on it, in order (``PassResult``s).
+        model_type: the class name of the user's model.
+        instrument_seconds: wall time of ``instrument()``, when it made this module.
+
+        extras: what other modules record about the graph, by their own key.
+
+    It also reads as a mapping of those names (``record["trace"]``), for code that predates it.
+    """
+
+    trace: Any = None
+    passes: list[Any] = field(default_factory=list)
+    model_type: str = "GraphModule"
+    instrument_seconds: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self._names():
+            return getattr(self, key)
+        return self.extras[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if key in self._names():
+            setattr(self, key, value)
+        else:
+            self.extras[key] = value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter((*self._names(), *self.extras))
+
+    def __len__(self) -> int:
+        return len(self._names()) + len(self.extras)
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name != "extras")
+
+    def copy(self) -> "GraphRecord":
+        """A record sharing the trace info, with its own list of pass results."""
+        return GraphRecord(self.trace, list(self.passes), self.model_type, self.instrument_seconds, dict(self.extras))
+
+
+def graph_record(gm: GraphModule) -> GraphRecord:
+    """The ``GraphRecord`` of ``gm`` (created on first use; a plain dict is converted)."""
+    meta = gm.meta
+    record = meta.get(KEY)
+    if isinstance(record, GraphRecord):
+        return record
+    raw: Mapping[str, Any] = record if isinstance(record, Mapping) else {}
+    names = GraphRecord._names()
+    new = GraphRecord(**{k: v for k, v in raw.items() if k in names},
+                      extras={k: v for k, v in raw.items() if k not in names})
+    meta[KEY] = new
+    return new
 
 
 def module_path(node: Node) -> str:
@@ -78,18 +263,21 @@ def _clean_export_path(path: str) -> str:
     return _EXPORT_PATH.sub(repl, path).strip(".")
 
 
+_FXDEBUG_FRAME = re.compile(r"[/\\\\]fxdebug[/\\\\](?!.*[/\\\\]tests[/\\\\])")
 _INTERNAL = re.compile(r"[/\\\\](torch|fxdebug|transformers[/\\\\]utils)[/\\\\]|^<")
 
 
 def source_line(node: Node) -> str | None:
     """``file.py:41 `out = self.conv1(x)``` for the user's line that created ``node``, if FX kept it."""
-    trace = node.meta.get("stack_trace")
+    trace = node.meta.get(KEY, {}).get("source") or node.meta.get("stack_trace")
     if not trace:
         return None
     lines = [ln.strip() for ln in trace.strip().splitlines()]
     # The innermost user frame is the last 'File "...", line N' entry, followed by its code line.
     for i in range(len(lines) - 1, -1, -1):
         m = re.match(r'File "([^"]+)", line (\d+)', lines[i])
+        if m and _FXDEBUG_FRAME.search(m.group(1)):
+            return None  # fxdebug's own capture call: the op has no user line (inside nn.Sequential)
         if m and not _INTERNAL.search(m.group(1)):
             filename = m.group(1).rsplit("/", 1)[-1]
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") else ""

@@ -65,7 +65,9 @@ class Pass:
     Attributes:
         name: shown in errors, provenance and the picture (defaults to the class name, kebab-case).
         observe_only: True for passes that only watch; the model's outputs stay bitwise equal.
-        requires: names of facts the pass needs from the context (``"shapes"``), informational.
+        requires: what the pass needs from the context, checked before it runs: ``"shapes"`` or
+            ``"example_inputs"`` (a ``MissingInputsError`` naming the pass if none were given),
+            ``"prior_report"``; see ``fxdebug.context.KNOWN_REQUIREMENTS``.
         where: the nodes the pass may touch (glob(s) over module paths / node names, or a predicate).
     """
 
@@ -162,12 +164,13 @@ class PassManager:
     def _run_one(self, p: Pass, gm: GraphModule, ctx: PassContext) -> GraphModule:
         before = {n: n.name for n in gm.graph.nodes}
         unused_before = {n.name for n in gm.graph.nodes if not n.users}  # the model's own dead values
-        ctx.current_pass, ctx.where = p.name, getattr(p, "where", None)
+        ctx.check_requires(p.name, p.requires)
         for inst in ctx.instruments:
             getattr(inst, "before_pass", lambda *_: None)(p, gm)
         start = time.perf_counter()
         try:
-            result = p.run(gm, ctx)
+            with ctx.running(p.name, p.where):
+                result = p.run(gm, ctx)
         except FxDebugError as exc:
             if exc.pass_name is None:
                 exc.pass_name = p.name
@@ -178,8 +181,6 @@ class PassManager:
                 "the pass where possible; fix the pass or exclude the node with where=.",
                 pass_name=p.name,
             ) from exc
-        finally:
-            ctx.current_pass, ctx.where = None, None
         if result is None:
             result = PassResult(gm)
         if not isinstance(result, PassResult):

@@ -17,8 +17,8 @@ pair alone; ``replace_pattern`` only rewrites the others.
 
 The replacement is a module (one ``call_module`` node, registered under fxdebug's namespace —
 never inside the user's model) or a function (traced and inlined), fixed or built per match with
-``build=``. New nodes inherit the output node's metadata (module path, source line,
-``nn_module_stack``) and record what they replaced under ``node.meta["fxdebug"]["replaced"]``.
+``build=``. New nodes inherit the output node's fxdebug metadata (module path, source line) and
+record what they replaced (``node_meta(n).replaced``, ``.rewritten_from``); torch's keys are only read.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Interpreter, Node
 
-from .context import PassContext, bind_inputs, preserved_state
-from .errors import UsageError
-from .meta import describe, fx_meta, is_instrumentation, op_label
+from .context import PassContext
+from .inputs import bind_inputs, normalize_inputs, preserved_state
+from .errors import ArgumentTypeError, MissingInputsError, UsageError
+from .meta import describe, is_instrumentation, node_meta, op_label
 from .ops import get_module
 from .select import Where, matches
-from .tracing import normalize_inputs
 
 __all__ = ["Match", "Replacement", "find_pattern", "keep_state", "node_values", "replace_pattern"]
 
@@ -91,7 +91,7 @@ def _trace_pattern(pattern: Pattern) -> GraphModule:
         except Exception as exc:
             raise UsageError(f"the pattern {pattern!r:.80} could not be traced ({type(exc).__name__}: {exc}); "
                              "write it as a plain function or module without data-dependent Python.") from exc
-    raise UsageError(f"a pattern is a function or an nn.Module; got {type(pattern).__name__}.")
+    raise ArgumentTypeError(f"a pattern is a function or an nn.Module; got {type(pattern).__name__}.")
 
 
 def _pattern_output(pgm: GraphModule) -> Node:
@@ -219,12 +219,12 @@ def _inline(ctx: PassContext, gm: GraphModule, fn: Callable[..., Any], inputs: l
 
 
 def _record(ctx: PassContext, match: Match, node: Node, module: nn.Module | None) -> None:
-    meta = fx_meta(node)
+    meta = node_meta(node)
     if module is not None:
-        meta["module_type"] = type(module).__name__
+        meta.module_type = type(module).__name__
     ctx.copy_meta(match.anchor, node)
-    meta["replaced"] = match.describe()
-    meta["rewritten_from"] = [n.name for n in match.nodes]
+    meta.replaced = match.describe()
+    meta.rewritten_from = [n.name for n in match.nodes]
 
 
 def replace_pattern(
@@ -323,7 +323,7 @@ def node_values(
     """
     bound = normalize_inputs(inputs) if inputs is not None else ctx.inputs
     if bound is None:
-        raise UsageError(f"pass '{ctx.current_pass or '?'}' needs example inputs to run the model: "
+        raise MissingInputsError(f"pass '{ctx.current_pass or '?'}' needs example inputs to run the model: "
                          "call instrument(model, passes, example_inputs=(x,)).")
     wanted = {n.name if isinstance(n, Node) else str(n) for n in names}
     runner = _Capture(gm, wanted)

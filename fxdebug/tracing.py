@@ -27,6 +27,7 @@ from torch.fx import Graph, Tracer
 
 from .errors import TraceError
 from .faithful import StateWrite, has_call_hooks, patched_for_tracing
+from .inputs import Inputs, normalize_inputs
 from .meta import fx_meta
 
 __all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
@@ -65,35 +66,6 @@ class TraceInfo:
     coverage: dict[str, float] = field(default_factory=dict)
     eager_modules: dict[str, str] = field(default_factory=dict)
     captured: dict[str, str] = field(default_factory=dict)
-
-
-class Inputs:
-    """Example inputs that mix positional and keyword arguments: ``Inputs(x, mask=m)``.
-
-    A tensor, a tuple (positional) or a dict (keyword) covers most models; this covers the rest
-    without guessing whether a trailing dict is an argument or the keywords.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.args = args
-        self.kwargs = kwargs
-
-    def __repr__(self) -> str:
-        parts = [type(a).__name__ for a in self.args] + [f"{k}=..." for k in self.kwargs]
-        return f"Inputs({', '.join(parts)})"
-
-
-def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Accept a tensor, a tuple/list of positional inputs, a dict of keyword inputs, or ``Inputs``."""
-    if example_inputs is None:
-        return None
-    if isinstance(example_inputs, Inputs):
-        return tuple(example_inputs.args), dict(example_inputs.kwargs)
-    if isinstance(example_inputs, dict):
-        return (), dict(example_inputs)
-    if isinstance(example_inputs, (tuple, list)):
-        return tuple(example_inputs), {}
-    return (example_inputs,), {}
 
 
 class _FailureLocatingTracer(Tracer):

@@ -220,7 +220,7 @@ def test_wrong_shape_is_named_and_dynamic_batch_allows_it() -> None:
 
 
 def test_missing_example_inputs_are_asked_for_plainly() -> None:
-    with pytest.raises(fxdebug.TraceError, match="example inputs.*none were given"):
+    with pytest.raises(fxdebug.MissingInputsError, match="example inputs.*none were given"):
         fxdebug.trace(ItemAssignment(), frontend="export")
     with pytest.raises(fxdebug.TraceError, match=r"root forward.*none were given: pass example_inputs"):
         fxdebug.trace(ItemAssignment())

@@ -33,7 +33,7 @@ def test_doc_example_runs_and_records_provenance():
     assert meta["replaced"] == "torch.sigmoid (sigmoid) + operator.mul (mul) + operator.sub (sub)"
     assert meta["changed_by"] == ["sigmoid-to-tanh"] and meta["rewritten_from"] == ["sigmoid", "mul", "sub"]
     assert "sigmoid" not in {n.name for n in dbg.graph.nodes}
-    assert "y = torch.sigmoid(y) * 2.0 - 1.0" in new.meta["stack_trace"]
+    assert "y = torch.sigmoid(y) * 2.0 - 1.0" in fxdebug.source_line(new)
     assert dbg.pass_results[0].replaced == {"sub": new.name}
 
 

@@ -136,5 +136,5 @@ def test_training_updates_the_models_parameters() -> None:
 
 
 def test_subtrees_needs_example_inputs() -> None:
-    with pytest.raises(fxdebug.TraceError, match="none were given: pass example_inputs"):
+    with pytest.raises(fxdebug.MissingInputsError, match="none were given: pass example_inputs"):
         fxdebug.trace(Detector(), frontend="subtrees")

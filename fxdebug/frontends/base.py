@@ -9,15 +9,14 @@ picture only ever see ``Instrumented`` and its parts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from torch import nn
 
+from ..inputs import CallInputs
 from ..instrumented import Instrumented
 
 __all__ = ["CallInputs", "Frontend", "TraceOptions"]
-
-CallInputs = tuple[tuple[Any, ...], dict[str, Any]]  # normalised example inputs: (args, kwargs)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.fx import Graph, GraphModule
 from torch.fx import _pytree as fx_pytree
 
-from ..errors import TraceError, UsageError
+from ..errors import MissingInputsError, TraceError, UsageError
 from ..faithful_export import export_shell, watched_export
 from ..meta import _clean_export_path, fx_meta
 from ..tracing import TraceInfo
@@ -253,7 +253,7 @@ def capture_export(
     under the returned namespace module, to be registered as the ``fxdebug`` attribute.
     """
     if inputs is None:
-        raise TraceError(
+        raise MissingInputsError(
             f"the export frontend runs {type(model).__name__} on example inputs, and none were given: "
             "pass example_inputs=(x,) (or a dict of keyword inputs) to fxdebug.trace / instrument.",
             op=type(model).__name__,

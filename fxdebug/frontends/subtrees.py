@@ -31,13 +31,13 @@ from torch.fx import Graph
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..context import preserved_state
-from ..errors import TraceError, UsageError
+from ..inputs import CallInputs, preserved_state
+from ..errors import MissingInputsError, UsageError
 from ..instrumented import Instrumented
-from ..meta import fx_meta
+from ..meta import KEY, GraphRecord, fx_meta
 from ..serialize import deserialize_graph, serialize_graph
 from ..tracing import TraceInfo
-from .base import CallInputs, Frontend, TraceOptions
+from .base import Frontend, TraceOptions
 from .graphs import ExportFrontend, SymbolicFrontend
 
 __all__ = ["SubtreeInstrumented", "SubtreesFrontend", "capture_subtrees"]
@@ -111,7 +111,7 @@ def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     counter = _OpCounter(stack)
     try:
         with preserved_state(model), torch.no_grad(), counter:
-            model(*args, **kwargs)
+            model(*_clone(args), **_clone(kwargs))  # the user's example inputs stay as they were
     finally:
         h1.remove()
         h2.remove()
@@ -267,6 +267,8 @@ class SubtreeInstrumented(Instrumented):
         return code
 
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
+        # the eager root is a copy of the model's root: it must see dbg.train()/eval() (`if self.training:`)
+        self._shell.__dict__["training"] = self.training
         return self._shell(*args, **kwargs)
 
     def parts(self) -> dict[str, Instrumented]:
@@ -317,7 +319,7 @@ class SubtreesFrontend:
 def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: TraceOptions = TraceOptions()) -> SubtreeInstrumented:
     """Keep ``model``'s forward eager and capture its largest capturable submodules."""
     if inputs is None:
-        raise TraceError(
+        raise MissingInputsError(
             f"the subtrees frontend runs {type(model).__name__} once on example inputs to see which submodules "
             "run and on what, and none were given: pass example_inputs=(x,) (or a dict of keyword inputs).",
             op=type(model).__name__,
@@ -345,5 +347,5 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
     info.notes.extend(f"subtrees: {p} captured by {how}" for p, how in info.captured.items())
     info.notes.extend(f"subtrees: {p or '<root>'} stays eager: {why}" for p, why in info.eager_modules.items())
     info.seconds = time.perf_counter() - start
-    meta = {"fxdebug": {"trace": info, "passes": [], "model_type": type(model).__name__}}
+    meta = {KEY: GraphRecord(trace=info, model_type=type(model).__name__)}
     return SubtreeInstrumented._assemble(shell, order, meta)
