@@ -1,0 +1,159 @@
+"""``ParamGrads``: gradient statistics of each module's *parameters* — what ``plot_grad_flow`` reads.
+
+Guides loop over ``named_parameters()`` after ``backward()`` and print or bar-plot mean |grad|
+and max |grad| per layer. ``ParamGrads`` keeps those numbers per module on the report row of the
+node that calls it (for parameters read directly, ``get_attr``: the node that uses them), beside
+the activation-gradient columns of ``StatCollector(grads=True)``:
+
+* ``param_grad_mean_abs`` — mean |g| over every parameter element of the module and backward;
+* ``param_grad_max_abs`` — the largest |g| seen;
+* ``param_grad_norm`` — root-mean-square over backward passes of the module's gradient L2 norm
+  (all its parameters together);
+* ``param_count`` (hidden) — parameter elements; ``param_grad_calls`` (hidden) — backward passes seen.
+
+How: each forward with grad enabled registers a one-shot gradient hook on each of the module's
+parameters (removed when it fires, or at the next forward if no backward came); the hook adds
+the gradient's reductions in place into device state, so nothing syncs before the report. The
+hook sees the gradient of *this* backward, not ``.grad`` summed over steps. Parameters themselves,
+``requires_grad`` and ``.grad`` are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Node
+
+import fxdebug
+from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+
+__all__ = ["ParamGradProbe", "ParamGrads"]
+
+
+class ParamGradProbe(Probe):
+    """Statistics of the gradients of ``params`` (``{name: Parameter}``), gathered by one-shot hooks."""
+
+    key = "param_grads"
+    columns = (
+        Column("param_grad_mean_abs", doc="mean |gradient| of the module's parameters"),
+        Column("param_grad_max_abs", doc="largest |gradient| of the module's parameters"),
+        Column("param_grad_norm", doc="RMS over backward passes of the parameters' gradient L2 norm"),
+        Column("param_count", roles=HIDDEN, doc="parameter elements of the module"),
+        Column("param_grad_calls", roles=HIDDEN, doc="backward passes that reached the parameters"),
+    )
+
+    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+        self.params = params
+        self._handles: list[Any] = []
+        self._call: int | None = None
+
+    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
+        first = next(iter(self.params.values()))
+        f64 = dict(dtype=torch.float64, device=first.device)
+        # acc: sum |g|, sum g², elements, backward passes;  hi: max |g|
+        return {"acc": torch.zeros(4, **f64), "hi": torch.zeros((), **f64),
+                "count": sum(p.numel() for p in self.params.values())}
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or ctx.call == self._call:
+            return  # no backward can come, or this forward (a module called twice) already has its hooks
+        self._call = ctx.call
+        for h in self._handles:  # the previous forward had no backward
+            h.remove()
+        self._handles = []
+        live = [(name, p) for name, p in self.params.items() if p.requires_grad]
+        for i, (name, p) in enumerate(live):
+            self._handles.append(p.register_hook(self._hook(state, i == 0)))
+
+    def _hook(self, state: dict[str, Any], first: bool) -> Any:
+        handles = self._handles
+        slot = len(handles)
+
+        def hook(g: Tensor) -> None:
+            g = g.detach()
+            one = torch.ones((), dtype=torch.float64, device=g.device) if first else \
+                torch.zeros((), dtype=torch.float64, device=g.device)
+            acc = state["acc"]
+            vec = torch.stack([g.abs().sum(dtype=torch.float64), g.double().pow(2).sum(),
+                               torch.full((), float(g.numel()), dtype=torch.float64, device=g.device), one])
+            acc.add_(vec.to(acc.device))
+            torch.maximum(state["hi"], g.abs().max().to(torch.float64).to(acc.device), out=state["hi"])
+            if slot < len(handles):
+                handles[slot].remove()
+            return None
+
+        return hook
+
+    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
+        if state["acc"].device.type == "meta":
+            return {}
+        abs_sum, sq, n, calls = state["acc"].tolist()
+        out: dict[str, Any] = {"param_count": state["count"], "param_grad_calls": int(calls)}
+        if calls:
+            out.update(param_grad_mean_abs=abs_sum / n, param_grad_max_abs=float(state["hi"]),
+                       param_grad_norm=(sq / calls) ** 0.5)
+        return out
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"], state["_call"] = [], None
+        return state
+
+
+def _host(node: Node) -> Node | None:
+    """The node whose row carries the statistics: ``node`` itself, or for a module returning a
+    tuple (an LSTM) its first ``getitem`` user."""
+    if node.op != "call_module":
+        return node
+    getitems = [u for u in node.users if u.op == "call_function" and "getitem" in str(u.target)]
+    return getitems[0] if getitems and node.meta.get("fxdebug", {}).get("shape") is None else node
+
+
+class ParamGrads(fxdebug.Pass):
+    """Per-module parameter-gradient statistics (see the module docstring for the columns).
+
+    Args:
+        where: limit the modules (globs over module paths, or a predicate over their nodes).
+    """
+
+    name = "param-grads"
+    observe_only = True
+
+    def __init__(self, *, where: Where = None) -> None:
+        super().__init__(where=where)
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        groups: dict[Node, dict[str, nn.Parameter]] = {}
+        seen: set[int] = set()
+        for node in list(gm.graph.nodes):
+            if fxdebug.is_instrumentation(node) or not fxdebug.matches(self.where, node):
+                continue
+            params: dict[str, nn.Parameter] = {}
+            host: Node | None = None
+            if node.op == "call_module" and not str(node.target).startswith("fxdebug."):
+                params = dict(gm.get_submodule(str(node.target)).named_parameters())
+                host = _host(node)
+            elif node.op == "get_attr":
+                value = _attr(gm, str(node.target))
+                if isinstance(value, nn.Parameter):
+                    params = {str(node.target): value}
+                    users = [u for u in node.users if not fxdebug.is_instrumentation(u)]
+                    host = users[0] if users else None
+            params = {k: p for k, p in params.items() if id(p) not in seen}  # a module called twice: once
+            if not params or host is None:
+                continue
+            seen.update(id(p) for p in params.values())
+            groups.setdefault(host, {}).update(params)
+        added = [ctx.observe(host, ParamGradProbe(params)) for host, params in groups.items()]
+        return PassResult(gm, added=[a for a in added if a is not None])
+
+
+def _attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
