@@ -48,3 +48,11 @@ def test_frontends_doc_examples():
     for block in _blocks("docs/frontends.md"):
         _run(block, ns, "frontends.md")
     assert ns["info"].frontend == "subtrees"
+
+
+def test_autograd_doc_examples(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    for block in _blocks("docs/autograd.md"):
+        _run(block, ns, "autograd.md")
+    assert ns["error"].saved_by == "sigmoid" and ns["hit"].node == "sqrt" and ns["drawn"].channels == 6
