@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .errors import FxDebugError, TraceError
+from .errors import FxDebugError, TraceError, UsageError
 
 __all__ = ["main"]
 
@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--shapes", action="store_true", help="assert every node keeps its shape (ShapeAssert)")
     c.add_argument("--stats", action="store_true", help="collect statistics and dead fractions (StatCollector)")
     c.add_argument("--devices", action="store_true", help="check op inputs share a device (DeviceCheck)")
-    c.add_argument("--batches", type=int, default=4, help="random batches to run (default 4; with --data: at most N)")
+    c.add_argument("--batches", type=int, default=None,
+                   help="batches to run (default: 4 random ones; with --data: every batch in the file)")
     c.add_argument("--data", help="torch.save file with input batches instead of random ones")
     c.add_argument("--json", help="also write the report as JSON here")
     c.add_argument("-o", "--output", help="also draw the annotated graph here")
@@ -73,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see the module docstring)."""
     args = _parser().parse_args(argv)
     try:
+        _check_output_dirs(args)
         if args.command == "demo":
             from .demo import run_demo
 
@@ -91,6 +93,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CRASH
 
 
+def _check_output_dirs(args: argparse.Namespace) -> None:
+    """Refuse an output path in a missing directory before any work is done (exit 2)."""
+    import os
+
+    from .cli_support import CliError
+
+    for flag in ("output", "json"):
+        path = getattr(args, flag, None)
+        folder = os.path.dirname(path) if path else ""
+        if folder and not os.path.isdir(folder):
+            raise CliError(f"--{flag if flag == 'json' else 'output'} {path!r}: the directory {folder!r} does not exist; "
+                           "create it first or pick another path.")
+
+
 def _err(text: str) -> None:
     print(f"fxdebug: {text}", file=sys.stderr)
 
@@ -100,12 +116,12 @@ def _inputs(args: argparse.Namespace, n: int) -> list[Any]:
 
     if getattr(args, "data", None):
         batches = load_data(args.data)
-        return batches[:n] if n > 0 else batches
+        return batches[:n] if n is not None and n > 0 else batches
     if not args.input:
         raise CliError(f"{args.command} needs the input shape: --input 1,3,224,224 (or --data FILE for check).")
     shapes = [parse_shape(s) for s in args.input]
     gen = torch.Generator().manual_seed(getattr(args, "seed", 0))
-    return [random_inputs(shapes, args.dtype, generator=gen) for _ in range(max(n, 1))]
+    return [random_inputs(shapes, args.dtype, generator=gen) for _ in range(max(4 if n is None else n, 1))]
 
 
 def _rejected(model: Any, exc: FxDebugError, out: str | None, depth: int | None) -> int:
@@ -170,10 +186,12 @@ def _call(dbg: Any, batch: Any) -> Any:
 def _check(args: argparse.Namespace) -> int:
     import fxdebug
 
-    from .cli_support import Progress, findings, load_target
+    from .cli_support import CliError, Progress, check_batches, findings, load_target
 
     model = load_target(args.target)
     batches = _inputs(args, args.batches)
+    if args.data:
+        check_batches(model, batches, args.data)  # a batch that cannot be the forward's arguments: exit 2
     passes = _passes(args)
     first = batches[0]
     try:
@@ -186,6 +204,8 @@ def _check(args: argparse.Namespace) -> int:
         for i, batch in enumerate(batches):
             try:
                 _call(dbg, batch)
+            except UsageError as exc:  # the batch, not the model: wrong shape for the capture, wrong arguments
+                raise CliError(f"batch {i + 1} of {len(batches)} does not fit the model: {exc}") from exc
             except FxDebugError as exc:
                 failed = exc
                 progress.update(i + 1)

@@ -152,6 +152,18 @@ def load_data(path: str) -> list[tuple[Any, ...] | dict[str, Any]]:
     return [b if isinstance(b, dict) else (tuple(b) if isinstance(b, (list, tuple)) else (b,)) for b in data]
 
 
+def check_batches(model: nn.Module, batches: list[Any], path: str) -> None:
+    """Every ``--data`` batch must bind to the model's forward; else it is the data's fault (exit 2)."""
+    from .tracing import normalize_inputs
+    from .usage import check_example_inputs
+
+    for i, batch in enumerate(batches):
+        try:
+            check_example_inputs(model, normalize_inputs(batch if isinstance(batch, dict) else tuple(batch)))
+        except UsageError as exc:
+            raise CliError(f"--data {path!r}: batch {i + 1} of {len(batches)} does not fit the model: {exc}") from None
+
+
 class Progress:
     """A one-line progress bar on ``stream`` (stderr), redrawn in place on a terminal."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 from .errors import DeviceMismatchError, FxDebugError, ShapeMismatchError
@@ -61,6 +61,8 @@ def _module_fix(node: Node, args: Any) -> str:
     x = args[0] if isinstance(args, (tuple, list)) and args else None
     if not isinstance(x, Tensor) or x.dim() == 0:
         return ""
+    if isinstance(mod, nn.modules.conv._ConvNd):
+        return _conv_fix(type(mod).__name__, x, mod.in_channels, len(mod.kernel_size))
     if hasattr(mod, "in_features") and x.shape[-1] != mod.in_features:
         return (f" {type(mod).__name__} has in_features={mod.in_features} but receives {x.shape[-1]}:"
                 f" set in_features={x.shape[-1]} (or use nn.LazyLinear).")
@@ -70,20 +72,61 @@ def _module_fix(node: Node, args: Any) -> str:
     return ""
 
 
-def _producers(node: Node) -> str:
+_CONV_FUNCTIONS = {"conv1d": 1, "conv2d": 2, "conv3d": 3}
+
+
+def _function_fix(node: Node, args: Any) -> str:
+    """The conv advice for ``F.conv2d`` / ``torch.conv2d`` calls (a bare conv root traces to one)."""
+    dims = _CONV_FUNCTIONS.get(getattr(node.target, "__name__", ""))
+    if node.op != "call_function" or dims is None or not isinstance(args, (tuple, list)) or len(args) < 2:
+        return ""
+    x, weight = args[0], args[1]
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or weight.dim() != dims + 2:
+        return ""
+    groups = args[6] if len(args) > 6 and isinstance(args[6], int) else node.kwargs.get("groups", 1)
+    return _conv_fix(f"conv{dims}d", x, weight.shape[1] * int(groups or 1), dims)
+
+
+def _conv_fix(name: str, x: Tensor, in_channels: int, dims: int) -> str:
+    """Batched input: fix in_channels. Unbatched (one dim short): the batch or channel dim is missing."""
+    if x.dim() == dims + 2:
+        if x.shape[1] == in_channels:
+            return ""
+        return (f" {name} has in_channels={in_channels} but receives {x.shape[1]} channels:"
+                f" set in_channels={x.shape[1]} or fix the input.")
+    if x.dim() != dims + 1 or x.shape[0] == in_channels:
+        return ""
+    shape = tuple(x.shape)
+    batch = (shape[0], in_channels, *shape[1:]) if in_channels == 1 else None
+    return (f" The input {shape} has no batch dimension: {name} expects (N, {in_channels}, ...) and torch "
+            f"read the {dims + 1}-dim input as one unbatched sample with {shape[0]} channels, so do not change "
+            f"in_channels. "
+            + (f"For a batch of {shape[0]} single-channel samples use x.unsqueeze(1), giving {batch}."
+               if batch else f"Add the batch dimension (x.unsqueeze(0) for one sample) with {in_channels} "
+               "channels in dim 1."))
+
+
+def _producers(node: Node, env: dict[str, Any] | None = None) -> str:
     parts = []
     for inp in node.all_input_nodes:
         if inp.op == "placeholder":
             parts.append(f"input '{inp.name}'")
         elif inp.op != "get_attr":
-            parts.append(f"'{inp.name}' ({describe(inp).split('(', 1)[1].rstrip(')')}{_made_from(inp)})")
+            parts.append(f"'{inp.name}' ({describe(inp).split('(', 1)[1].rstrip(')')}{_made_from(inp, env)})")
     return f" Its input comes from {', '.join(parts)}." if parts else ""
 
 
-def _made_from(node: Node) -> str:
-    """`` of (2, 10, 12, 12) from 'pool'``: what a producer itself consumed, when shapes are known."""
+def _made_from(node: Node, env: dict[str, Any] | None = None) -> str:
+    """`` of (2, 10, 12, 12) from 'pool'``: what a producer itself consumed, when shapes are known.
+
+    At run time (``env``: the failing call's locals) only that call's own values count: the shapes
+    the example run recorded may belong to other inputs, and a producer's freed input is left out.
+    """
     sources = [i for i in node.all_input_nodes if i.op != "get_attr"]
-    shaped = [(i, i.meta.get("fxdebug", {}).get("shape")) for i in sources]
+    if env is None:
+        shaped = [(i, i.meta.get("fxdebug", {}).get("shape")) for i in sources]
+    else:
+        shaped = [(i, tuple(env[i.name].shape) if isinstance(env.get(i.name), Tensor) else None) for i in sources]
     shaped = [(i, s) for i, s in shaped if s is not None]
     if not shaped:
         return ""
@@ -105,7 +148,8 @@ def op_failure(node: Node, exc: BaseException, args: Any, *, when: str = "runnin
             node=node.name, module=_mod(node), op=_op(node),
         )
     if _SHAPE_WORDS.search(text) and isinstance(exc, (RuntimeError, ValueError, IndexError)):
-        return ShapeMismatchError(head + _module_fix(node, args) + _producers(node) + at,
+        env = getattr(args, "env", None)
+        return ShapeMismatchError(head + (_module_fix(node, args) or _function_fix(node, args)) + _producers(node, env) + at,
                                   node=node.name, module=_mod(node), op=_op(node))
     return FxDebugError(head + at, node=node.name, module=_mod(node), op=_op(node))
 
@@ -153,4 +197,15 @@ def locate_failure(gm: GraphModule, exc: BaseException) -> tuple[Node, tuple[Any
                  for inp in node.all_input_nodes)
     if node.op == "call_module":
         args = tuple(local.get(a.name) if isinstance(a, Node) else a for a in node.args)
-    return node, args
+    return node, _RunInputs(args, dict(local))
+
+
+class _RunInputs(tuple):
+    """A failing node's inputs, carrying that call's locals so messages cite its own shapes."""
+
+    env: dict[str, Any]
+
+    def __new__(cls, values: tuple[Any, ...], env: dict[str, Any]) -> "_RunInputs":
+        self = super().__new__(cls, values)
+        self.env = env
+        return self

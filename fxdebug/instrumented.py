@@ -92,6 +92,14 @@ class Instrumented(GraphModule):
 
             return model_attribute(self, name)
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            from .face import model_attribute  # the model's own methods/attributes (generate, config)
+
+            return model_attribute(self, name)
+
     # -- what fxdebug knows -----------------------------------------------------------------------
     @property
     def trace_info(self) -> TraceInfo:

@@ -98,6 +98,10 @@ def render(
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise UsageError(f"depth must be a positive int (1 = top-level modules) or None for automatic; got {depth!r}.")
     out_path = os.fspath(path)
+    folder = os.path.dirname(out_path)
+    if folder and not os.path.isdir(folder):
+        raise UsageError(f"cannot write the picture to {out_path!r}: the directory {folder!r} does not exist. "
+                         f"Create it first (os.makedirs({folder!r})) or pick another path.")
     parent = os.path.dirname(os.path.abspath(out_path))
     if not os.path.isdir(parent):
         raise UsageError(f"cannot write the picture to {out_path!r}: the directory {os.path.dirname(out_path)!r} does "

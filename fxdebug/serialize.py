@@ -46,6 +46,34 @@ class _OpRef:
         return obj
 
 
+class _FuncRef:
+    """A function pickle cannot name (``F.max_pool2d`` is ``boolean_dispatch.<locals>.fn``), by module attribute."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __reduce__(self) -> Any:
+        return (_FuncRef, (self.module, self.name))
+
+    def resolve(self) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+def _func_ref(target: Any) -> Any:
+    """``target`` itself if pickle finds it by qualified name; else a ``_FuncRef`` if its module holds it."""
+    qualname = getattr(target, "__qualname__", "")
+    module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
+    if "<locals>" not in qualname or not module or not name:
+        return target
+    import sys
+
+    return _FuncRef(module, name) if getattr(sys.modules.get(module), name, None) is target else target
+
+
 def _op_ref(target: Any) -> Any:
     if isinstance(target, torch._ops.OpOverload):
         return _OpRef(f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}")
@@ -53,6 +81,8 @@ def _op_ref(target: Any) -> Any:
         return _OpRef(target._qualified_op_name.replace("::", "."))
     if isinstance(target, torch._ops.HigherOrderOperator):
         return _OpRef(f"higher_order.{target.name()}")
+    if callable(target) and not isinstance(target, type):
+        return _func_ref(target)
     return target
 
 
@@ -80,7 +110,7 @@ def deserialize_graph(rows: list[tuple[Any, ...]], pytree_info: Any = None) -> G
     def resolve(x: Any) -> Any:
         if isinstance(x, _Ref):
             return env[x.name]
-        if isinstance(x, _OpRef):
+        if isinstance(x, (_OpRef, _FuncRef)):
             return x.resolve()
         if isinstance(x, tuple):
             return tuple(resolve(v) for v in x)

@@ -121,7 +121,11 @@ def _user_frame_text() -> str | None:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith((_TORCH_DIR, _FXDEBUG_DIR)) and not filename.startswith("<"):
+        if filename.startswith(_FXDEBUG_DIR):
+            # reached fxdebug's own call into the tracer: no user code defines this op (a layer of a
+            # root nn.Sequential); the line calling instrument() would be a wrong answer
+            return None
+        if not filename.startswith(_TORCH_DIR) and not filename.startswith("<"):
             code = linecache.getline(filename, frame.f_lineno).strip()
             return f'File "{filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}'
         frame = frame.f_back

@@ -93,6 +93,9 @@ class Capture(fxdebug.Pass):
 
     def grad(self, name: str) -> Tensor | None:
         """The last gradient w.r.t. ``name``'s output (needs ``grads=True`` and a backward)."""
+        if not self.grads:
+            raise UsageError(f"Capture.grad({name!r}): this Capture records activations only; build it with "
+                             "Capture([...], grads=True) to keep gradients, then run a backward.")
         return self._get(name, "grad")
 
     @property
@@ -101,6 +104,9 @@ class Capture(fxdebug.Pass):
 
     @property
     def gradients(self) -> dict[str, Tensor | None]:
+        if not self.grads:
+            raise UsageError("Capture.gradients: this Capture records activations only; build it with "
+                             "Capture([...], grads=True) to keep gradients, then run a backward.")
         return {k: self.grad(k) for k in self._observers}
 
 

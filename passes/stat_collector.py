@@ -209,6 +209,11 @@ class StatCollector(fxdebug.Pass):
     def __init__(self, grads: bool = False, *, counts: bool = False, exact: bool = False,
                  channel_dim: int | str | None = "auto", views: bool = False, where: Where = None) -> None:
         super().__init__(where=where)
+        for flag, value in (("grads", grads), ("counts", counts), ("exact", exact), ("views", views)):
+            if not isinstance(value, bool):  # grads="yes" would be truthy, and so would grads="no"
+                raise fxdebug.UsageError(f"StatCollector({flag}={value!r}): {flag} must be True or False.")
+        if not (channel_dim is None or channel_dim == "auto" or (isinstance(channel_dim, int) and not isinstance(channel_dim, bool))):
+            raise fxdebug.UsageError(f"StatCollector(channel_dim={channel_dim!r}): use an int, None or 'auto'.")
         self.views = views
         self.grads, self.counts, self.exact, self.channel_dim = grads, counts, exact, channel_dim
 
