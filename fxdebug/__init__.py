@@ -32,6 +32,7 @@ from .graph_nx import to_networkx
 from .api import instrument, render, trace
 from .instrumented import Instrumented
 from . import numerics
+from .numerics import precision_plan
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import SAMPLE, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
@@ -101,6 +102,7 @@ __all__ = [
     "node_pass",
     "node_values",
     "op_label",
+    "precision_plan",
     "register_kind",
     "render",
     "replace_pattern",

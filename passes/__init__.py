@@ -21,6 +21,7 @@ _WHERE = {
     "Fuse": "fuse",
     "PruneMasks": "prune",
     "Shadow": "shadow",
+    "Precision": "precision",
     "InplaceCheck": "inplace_check",
     "Breakpoint": "breakpoint",
     "GradientCentralize": "gradient_centralize",

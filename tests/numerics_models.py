@@ -49,3 +49,30 @@ def naive_softmax() -> tuple[nn.Module, tuple[torch.Tensor]]:
         model = NaiveSoftmax()
     g = torch.Generator().manual_seed(1)
     return model, (torch.randn(2, 6, 16, generator=g),)
+
+
+class NaiveAttention(nn.Module):
+    """Attention probabilities through ``exp(s) / exp(s).sum()`` with no max subtraction, on scores
+    that share a large offset (query and key biases point the same way, an "attention sink"):
+    rounding the scores to bf16 (spacing 0.25 near 40) turns into several percent error in the
+    probabilities once exp amplifies it; in fp16 exp(40) overflows to Inf and the divide makes NaN."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        nn.init.constant_(self.q.bias, 1.5)
+        nn.init.constant_(self.k.bias, 1.5)
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(-2, -1)
+        e = torch.exp(scores)
+        return e / e.sum(-1, keepdim=True)
+
+
+def naive_attention() -> tuple[nn.Module, tuple[torch.Tensor]]:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = NaiveAttention()
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(2, 6, 16, generator=g),)

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from .precision import KeepFloat, PrecisionPlan, cast_back, keep_float, precision_plan
 from .shadow import ShadowOp, ShadowProbe, add_shadow, as_shadow, precision_origin
 
-__all__ = ["ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "precision_origin"]
+__all__ = ["KeepFloat", "PrecisionPlan", "ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "cast_back",
+           "keep_float", "precision_origin", "precision_plan"]

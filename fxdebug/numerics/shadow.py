@@ -38,6 +38,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
+from ..columns import HIDDEN, Column
 from ..context import PassContext
 from ..meta import fx_meta, is_instrumentation
 from ..observe import ObservationContext, Probe, Reductions
@@ -142,18 +143,21 @@ class ShadowOp(nn.Module):
         return tree_cast(shadow, self.dtype)
 
     def _call(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.op == "call_function":
-            return self.target(*self._retarget(args), **self._retarget(kwargs))
-        if self.op == "call_method":
+        if self.op == "call_module" and hasattr(module, "shadow_call"):  # a wrapper (KeepFloat) shadows what it wraps
+            return module.shadow_call(self, args, kwargs)
+        return self.call_as(self.op, self.target, module, args, kwargs)
+
+    def call_as(self, op: str, target: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run ``op``/``target`` (or ``module``) on shadow-dtype values, keeping them in that dtype."""
+        if op == "call_function":
+            return target(*self._retarget(args), **self._retarget(kwargs))
+        if op == "call_method":
             obj, rest = args[0], self._retarget(args[1:])
-            if self.kind == "cast":
+            if target in _CAST_METHODS or target == "type_as":
                 return obj.clone() if isinstance(obj, Tensor) else obj
-            if self.target == "to":
+            if target == "to":
                 rest = tuple(a.device if isinstance(a, Tensor) else a for a in rest)
-            return getattr(obj, self.target)(*rest, **self._retarget(kwargs))
-        inner = getattr(module, "shadow_target", None)  # a wrapper (KeepFloat) names what it wraps
-        if inner is not None:
-            module = inner
+            return getattr(obj, target)(*rest, **self._retarget(kwargs))
         if not isinstance(module, nn.Module):
             return module(*args, **kwargs)
         return torch.func.functional_call(module, self._wide_params(module), args, kwargs, strict=False)
@@ -232,6 +236,15 @@ class ShadowProbe(Probe):
     """Puts a ``ShadowOp``'s errors into the node's report row (the shadow op does the work)."""
 
     key = "shadow"
+    columns = (
+        Column("local_err", doc="relative error this op adds alone: its real output vs the op run in the shadow "
+               "dtype on its real inputs (max over calls)"),
+        Column("acc_err", doc="relative error accumulated up to here: real output vs the all-shadow-dtype run "
+               "(max over calls)"),
+        Column("err_growth", doc="factor by which the accumulated error grew at this node; the largest is "
+               "Report.precision_origin"),
+        Column("shadow_failed", roles=HIDDEN, doc="why the shadow could not run this op (real value passed on)"),
+    )
 
     def __init__(self, shadow_op: ShadowOp) -> None:
         self.shadow_op = shadow_op
@@ -318,12 +331,23 @@ def _is_inplace(node: Node, module: nn.Module | None) -> bool:
 
 
 def precision_origin(rows: Sequence[dict[str, Any]]) -> str | None:
-    """The node whose accumulated error grew the most (largest ``err_growth`` above 2, i.e. more
-    than one rounding of exact inputs; ties: the first), or ``None``."""
-    best, best_jump = None, 2.0
+    """The node where the accumulated error grew the most, among those whose error matters.
+
+    Candidates are the rows whose ``acc_err`` is at least 1 % of the worst ``acc_err`` in the
+    report (a tiny error growing a hundredfold in float32 is not what drifts the output) and whose
+    ``err_growth`` exceeds 2 (more than one rounding of exact inputs); the largest growth wins,
+    ties going to the first in execution order. ``None`` when no node qualifies.
+    """
+    accs = [r["acc_err"] for r in rows if r.get("acc_err") is not None]
+    if not accs:
+        return None
+    worst = max(accs)
+    floor = 0.01 * worst if math.isfinite(worst) else 0.0
+    best, best_growth = None, 2.0
     for r in rows:
-        jump = r.get("err_growth")
-        if jump is None or not (jump > best_jump):
+        growth, acc = r.get("err_growth"), r.get("acc_err")
+        if growth is None or acc is None or acc < floor or (math.isfinite(worst) and not math.isfinite(acc)):
             continue
-        best, best_jump = r["node"], jump
+        if growth > best_growth:
+            best, best_growth = r["node"], growth
     return best
