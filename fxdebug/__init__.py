@@ -12,6 +12,7 @@ statistics, devices) or transform it, read a per-node report, and draw the annot
     dbg.render("model.svg")
 """
 
+from .collect import collect
 from .columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
 from .context import PassContext, TensorSpec
 from .errors import (
@@ -33,11 +34,14 @@ from .api import instrument, render, trace
 from .instrumented import Instrumented
 from . import numerics
 from .numerics import precision_plan
+from .module_outputs import outputs_of
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import SAMPLE, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
 from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
 from .report import Report
+from . import plot
+from .sensitivity import Sensitivity, sensitivity
 from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from .select import Where, matches
 from .tracing import Inputs, LeafInfo, TraceInfo
@@ -73,6 +77,7 @@ __all__ = [
     "Replacement",
     "Report",
     "SAMPLE",
+    "Sensitivity",
     "ShapeMismatchError",
     "TensorSpec",
     "TraceError",
@@ -80,6 +85,7 @@ __all__ = [
     "UsageError",
     "VALUE",
     "Where",
+    "collect",
     "describe",
     "find_pattern",
     "fx_meta",
@@ -102,10 +108,13 @@ __all__ = [
     "node_pass",
     "node_values",
     "op_label",
+    "outputs_of",
+    "plot",
     "precision_plan",
     "register_kind",
     "render",
     "replace_pattern",
+    "sensitivity",
     "source_line",
     "systematic_sample",
     "to_networkx",

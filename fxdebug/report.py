@@ -43,6 +43,7 @@ class Report:
     notes: list[str] = field(default_factory=list)
     calls: int = 0
     columns: list[Column] = field(default_factory=lambda: resolve_columns(()))
+    failure: Any = None  # the FxDebugError that stopped fxdebug.collect(), if one did
 
     # -- lookup ---------------------------------------------------------------------------------
     def row(self, node: str) -> dict[str, Any]:
@@ -123,6 +124,29 @@ class Report:
         from .table import format_report
 
         return format_report(self)
+
+    # -- reading it (logic in fxdebug/findings.py, tensorboard.py, table.py) ---------------------
+    def findings(self, **thresholds: Any) -> list[Any]:
+        """Typed findings (NaN/Inf origin, vanishing/exploding gradients, dead activations, failed
+        checks), each naming node, module, figure and fix; thresholds: ``vanishing=``,
+        ``exploding=``, ``dead=`` (see ``fxdebug.findings.FindingRules``)."""
+        from .findings import find
+
+        return find(self, **thresholds)
+
+    def to_tensorboard(self, writer: Any, step: int = 0, **options: Any) -> int:
+        """Per-node scalars and histograms to a TensorBoard ``SummaryWriter``, tags grouped by
+        module path (see ``fxdebug.tensorboard``); returns the number of values written."""
+        from .tensorboard import to_tensorboard
+
+        return to_tensorboard(self, writer, step, **options)
+
+    def table(self, cols: Sequence[str] | None = None, *, width: int | None = None, max_rows: int = 400) -> str:
+        """The text table with the columns ``cols`` (row keys, in that order; default: every shown
+        column that fits ``width``, the terminal's width when printing to one)."""
+        from .table import format_report
+
+        return format_report(self, max_rows, cols=cols, width=width)
 
     def __repr__(self) -> str:
         return (f"Report({len(self.rows)} rows, calls={self.calls}, first_nonfinite={self.first_nonfinite!r}, "

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+import shutil
+import sys
+from typing import Any, Sequence
 
 from .columns import Column, resolve_columns
 
@@ -48,9 +50,58 @@ def _columns(report: Any) -> list[Column]:
     return cols
 
 
-def format_report(report: Any, max_rows: int = 400, *, use_rich: bool | None = None) -> str:
+def _chosen(report: Any, cols: Sequence[str] | None) -> list[Column]:
+    """``cols`` as declarations, in the order given (a typed error names the keys that exist)."""
+    if cols is None:
+        return _columns(report)
+    known = {c.key: c for c in (getattr(report, "columns", None) or resolve_columns(()))}
+    present = {k for r in report.rows for k in r} | set(known)
+    unknown = [k for k in cols if k not in present]
+    if unknown:
+        from .errors import UsageError
+
+        raise UsageError(f"report.table(cols=...): no column {', '.join(map(repr, unknown))}; the rows have "
+                         f"{', '.join(sorted(k for k in present if k in {x for r in report.rows for x in r}))}.")
+    return [known.get(k) or Column(k) for k in cols]
+
+
+_KEEP = 3  # node, module, op: never dropped to fit the width
+
+
+def _fit(report: Any, cols: list[Column], width: int | None, explicit: bool) -> tuple[list[Column], list[str]]:
+    """Drop trailing columns until the plain table fits ``width`` (the terminal when printing to one)."""
+    if width is None:
+        width = shutil.get_terminal_size(fallback=(0, 0)).columns if sys.stdout.isatty() else 0
+    if explicit or width <= 0:
+        return cols, []
+    shown = report.rows[:400]
+    sizes = [max([len(c.key)] + [len(format_value(_cell(r, c), c)) for r in shown]) for c in cols]
+    kept = list(range(len(cols)))
+    while len(kept) > _KEEP and sum(sizes[i] for i in kept) + 2 * (len(kept) - 1) > width:
+        kept.pop()
+    dropped = [c.key for i, c in enumerate(cols) if i not in kept]
+    return [cols[i] for i in kept], dropped
+
+
+def _cell(row: dict[str, Any], col: Column) -> Any:
+    """The value a table cell shows: a dead fraction only where it means dead units (activations)."""
+    if col.key == "dead_frac":
+        from .findings import activation_row
+
+        if not activation_row(row):
+            return None
+    return row.get(col.key)
+
+
+def format_report(report: Any, max_rows: int = 400, *, use_rich: bool | None = None,
+                  cols: Sequence[str] | None = None, width: int | None = None) -> str:
     """The report as aligned text: rich's box table when rich is installed (``use_rich=None``),
-    else plain columns. Either way, plain text with no colour codes, ready for logs."""
+    else plain columns. Either way, plain text with no colour codes, ready for logs.
+
+    ``cols`` picks the columns (row keys, in order); otherwise every shown column, trimmed from the
+    right to ``width`` characters (default: the terminal's width when stdout is a terminal, no
+    limit otherwise), with a line naming the columns left out."""
+    chosen, dropped = _fit(report, _chosen(report, cols), width, cols is not None)
     if use_rich is not False:
         try:
             import rich  # noqa: F401
@@ -58,8 +109,15 @@ def format_report(report: Any, max_rows: int = 400, *, use_rich: bool | None = N
             if use_rich:
                 raise ImportError("format_report(use_rich=True) needs rich: pip install 'fxdebug[report]'.") from None
         else:
-            return _format_rich(report, max_rows)
-    return _format_plain(report, max_rows)
+            return _more(_format_rich(report, max_rows, chosen), dropped)
+    return _more(_format_plain(report, max_rows, chosen), dropped)
+
+
+def _more(text: str, dropped: list[str]) -> str:
+    if not dropped:
+        return text
+    return text + f"\n({len(dropped)} more column(s) to fit the terminal: {', '.join(dropped)}; " \
+                  "report.table(cols=[...]) picks columns)"
 
 
 def _header(report: Any) -> list[str]:
@@ -77,7 +135,7 @@ def _header(report: Any) -> list[str]:
     return lines
 
 
-def _format_rich(report: Any, max_rows: int) -> str:
+def _format_rich(report: Any, max_rows: int, cols: list[Column] | None = None) -> str:
     import io
 
     from rich.console import Console
@@ -87,10 +145,11 @@ def _format_rich(report: Any, max_rows: int) -> str:
     lines = _header(report)
     if not rows:
         return "\n".join(lines + ["(no observed nodes)"])
-    cols = _columns(report)
+    cols = _columns(report) if cols is None else cols
+    cols = [c for c in cols if any(_cell(r, c) is not None for r in rows) or c.key == "shape"]
     table = Table(*(c.key for c in cols), box=None, pad_edge=False, show_edge=False)
     for r in rows[:max_rows]:
-        table.add_row(*(format_value(r.get(c.key), c) for c in cols))
+        table.add_row(*(format_value(_cell(r, c), c) for c in cols))
     buf = io.StringIO()
     Console(file=buf, width=max(120, 14 * len(cols)), color_system=None, force_terminal=False).print(table)
     text = "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
@@ -98,14 +157,15 @@ def _format_rich(report: Any, max_rows: int) -> str:
     return "\n".join(lines + [text] + more)
 
 
-def _format_plain(report: Any, max_rows: int) -> str:
+def _format_plain(report: Any, max_rows: int, cols: list[Column] | None = None) -> str:
     rows = report.rows
     lines = _header(report)
     if not rows:
         return "\n".join(lines + ["(no observed nodes)"])
-    cols = _columns(report)
+    cols = _columns(report) if cols is None else cols
+    cols = [c for c in cols if any(_cell(r, c) is not None for r in rows) or c.key == "shape"]
     shown = rows[:max_rows]
-    cells = [[format_value(r.get(c.key), c) for c in cols] for r in shown]
+    cells = [[format_value(_cell(r, c), c) for c in cols] for r in shown]
     widths = [max(len(c.key), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     lines.append("  ".join(c.key.ljust(w) for c, w in zip(cols, widths)))
     lines.append("  ".join("-" * w for w in widths))

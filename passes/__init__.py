@@ -25,6 +25,11 @@ _WHERE = {
     "InplaceCheck": "inplace_check",
     "Breakpoint": "breakpoint",
     "GradientCentralize": "gradient_centralize",
+    "GradientScale": "gradient_tools",
+    "Freeze": "gradient_tools",
+    "Profile": "profile",
+    "ParamGrads": "param_grads",
+    "Histograms": "histograms",
 }
 
 __all__ = sorted(_WHERE)
