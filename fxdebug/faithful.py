@@ -126,6 +126,41 @@ def has_call_hooks(module: nn.Module) -> bool:
                 or module._backward_pre_hooks)
 
 
+# -- plain Python state of modules -------------------------------------------------------------------
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
+
+
+def user_attributes(module: nn.Module) -> dict[str, Any]:
+    """The attributes a forward may rebind (``self.calls``, ``self.config``): not torch's internals."""
+    return {k: v for k, v in module.__dict__.items()
+            if k not in _MODULE_INTERNALS and not k.startswith("_fxdebug") and not isinstance(v, nn.Module)}
+
+
+def saved_plain_state(root: nn.Module) -> list[tuple[nn.Module, dict[str, Any]]]:
+    """Plain values (numbers, strings, None) of every module's own attributes, to put back later."""
+    return [(m, {k: v for k, v in user_attributes(m).items() if isinstance(v, _PLAIN)}) for m in root.modules()]
+
+
+def restore_plain_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
+    """Undo what example runs did to Python counters and flags (``self.calls += 1``)."""
+    for module, values in saved:
+        for k, v in values.items():
+            if module.__dict__.get(k, v) is not v or k not in module.__dict__:
+                module.__dict__[k] = v
+
+
+def sync_attributes(src: nn.Module, dst: nn.Module) -> None:
+    """Rebind on ``dst`` every user attribute ``src`` holds a different object for (shell <-> model)."""
+    theirs = dst.__dict__
+    for k, v in user_attributes(src).items():
+        if theirs.get(k, _MISSING) is not v:
+            theirs[k] = v
+
+
+_MISSING = object()
+
+
 # -- the patches ------------------------------------------------------------------------------------
 def _tracer() -> Any:
     return getattr(_ACTIVE, "tracer", None)
@@ -232,6 +267,17 @@ def _original(owner: Any, name: str) -> Any:
     return _ORIGINALS[(owner, name)]
 
 
+@contextlib.contextmanager
+def _unrecorded() -> Iterator[None]:
+    """Run torch's own implementation without recording (no_grad.__enter__ calls set_grad_enabled)."""
+    tracer = getattr(_ACTIVE, "tracer", None)
+    _ACTIVE.tracer = None
+    try:
+        yield
+    finally:
+        _ACTIVE.tracer = tracer
+
+
 def _apply(cls: type, *args: Any, **kwargs: Any) -> Any:
     from torch.autograd.function import Function
 
@@ -253,7 +299,8 @@ def _make_enter(mode: bool) -> Callable[[Any], None]:
         tracer = _tracer()
         if tracer is not None:
             self._fxdebug_prev = tracer.create_proxy("call_function", grad_enter, (mode,), {})
-        _original(owner, "__enter__")(self)
+        with _unrecorded():
+            _original(owner, "__enter__")(self)
 
     return enter
 
@@ -267,7 +314,8 @@ def _grad_region_exit(self: Any, *exc: Any) -> None:
         tracer.create_proxy("call_function", grad_exit, (proxy,), {})
     for owner in (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled):
         if isinstance(self, owner):
-            return _original(owner, "__exit__")(self, *exc)
+            with _unrecorded():
+                return _original(owner, "__exit__")(self, *exc)
     return None
 
 
@@ -277,7 +325,8 @@ def _set_grad_init(self: Any, mode: bool) -> None:
     tracer = _tracer()
     if tracer is not None:
         self._fxdebug_prev = tracer.create_proxy("call_function", grad_enter, (bool(mode),), {})
-    _original(grad_mode.set_grad_enabled, "__init__")(self, mode)
+    with _unrecorded():
+        _original(grad_mode.set_grad_enabled, "__init__")(self, mode)
 
 
 def _autocast_enter(self: Any) -> Any:

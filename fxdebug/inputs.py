@@ -19,6 +19,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_map
 
 from .errors import MissingInputsError
+from .faithful import restore_plain_state, saved_plain_state
 
 __all__ = ["CallInputs", "Inputs", "bind_inputs", "clone_inputs", "normalize_inputs", "preserved_state"]
 
@@ -93,12 +94,14 @@ def clone_inputs(values: Any) -> Any:
 def preserved_state(module: nn.Module) -> Iterator[None]:
     """Run code against ``module`` and put its buffers and the RNG streams back afterwards."""
     saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+    plain = saved_plain_state(module)  # Python counters a forward advances (self.calls += 1)
     tensors = list(module.parameters()) + list(module.buffers())
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their RNGs too
     with torch.random.fork_rng(devices=devices, enabled=True):
         try:
             yield
         finally:
+            restore_plain_state(plain)
             with torch.no_grad():
                 for buf, copy in saved:
                     buf.copy_(copy)

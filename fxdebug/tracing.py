@@ -283,7 +283,7 @@ def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool)
     at = f" at {where}" if where else ""
     if isinstance(exc, StateWrite) and not failed:
         return TraceError(
-            f"the root forward of {type(model).__name__}{at} assigns self.{exc.name} (it updates a {exc.kind} of the model). "
+            f"the root forward of {type(model).__name__}{at} assigns self.{exc.name} (it updates model state: a {exc.kind}). "
             "A symbolic graph cannot perform it and the root cannot stay eager; nothing was written to the model. "
             "Use frontend='export' (it performs buffer updates) or frontend='subtrees' (keeps the root eager), "
             "or move the update into a submodule.",

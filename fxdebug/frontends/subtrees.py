@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..inputs import CallInputs, preserved_state
 from ..errors import MissingInputsError, UsageError
+from ..faithful import sync_attributes
 from ..instrumented import Instrumented
 from ..meta import KEY, GraphRecord, fx_meta
 from ..serialize import deserialize_graph, serialize_graph
@@ -203,6 +204,7 @@ def _select(model: nn.Module, seen: dict[str, _Calls],
 def _shell(module: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
     """A shallow copy of ``module`` with fresh child/parameter/buffer dicts and ``swaps`` applied."""
     shell = copy.copy(module)
+    shell.__dict__["_fxdebug_original"] = module  # its Python attributes are synced with it at every call
     shell._modules = OrderedDict(module._modules)
     shell._parameters = OrderedDict(module._parameters)
     shell._buffers = OrderedDict(module._buffers)
@@ -269,7 +271,17 @@ class SubtreeInstrumented(Instrumented):
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
         # the eager root is a copy of the model's root: it must see dbg.train()/eval() (`if self.training:`)
         self._shell.__dict__["training"] = self.training
-        return self._shell(*args, **kwargs)
+        copies = self.__dict__.get("_fxdebug_copies")
+        if copies is None:  # the shallow copies _shell made (root, parents of captured parts)
+            copies = [m for m in self._shell.modules() if "_fxdebug_original" in m.__dict__]
+            self.__dict__["_fxdebug_copies"] = copies
+        for c in copies:  # Python state (self.calls += 1) lives on the model, as if it ran itself
+            sync_attributes(c.__dict__["_fxdebug_original"], c)
+        try:
+            return self._shell(*args, **kwargs)
+        finally:
+            for c in copies:
+                sync_attributes(c, c.__dict__["_fxdebug_original"])
 
     def parts(self) -> dict[str, Instrumented]:
         """``{module path: Instrumented}`` for every captured submodule, in execution order."""

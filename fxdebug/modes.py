@@ -1,0 +1,182 @@
+"""One graph per training mode: an instrumented module never runs the other mode's graph.
+
+A captured graph is specialised to the modes its modules were in: symbolic tracing evaluates
+``if self.training:`` and ``F.dropout(x, training=self.training)`` once, and ``torch.export``
+bakes the mode into every op (``aten.dropout(train=False)``, batch-norm without running
+statistics). After ``dbg.train()`` on a module instrumented in eval, that graph would keep
+computing eval-mode results with no error.
+
+Every instrumented module remembers how it was made (the model, frontend, example inputs, trace
+options and passes: a ``Recipe``). Each call compares the training flags of the root and of
+every submodule with those the current graph was captured under (a tuple of booleans, a few
+microseconds); when they differ, the graph for the new modes is captured (once: it is kept) by
+the same frontend on a shell of the model whose root carries the new flag, run through the same
+passes, and swapped in. The note on ``trace_info`` says whether the two graphs differ. Statistics
+live in each mode's own observers: the report shows the current mode's.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.fx import Graph
+
+from .errors import TraceError
+
+NAMESPACE = "fxdebug"  # fxdebug's own modules on an instrumented module (context.NAMESPACE)
+
+__all__ = ["Recipe", "ensure_mode", "mode_key", "recipe", "remember"]
+
+_ATTR = "_fxdebug_recipe"
+_LOCK = threading.RLock()
+
+ModeKey = tuple[bool, ...]
+
+
+@dataclass
+class Recipe:
+    """How an instrumented module was captured, so that it can be captured again in other modes.
+
+    ``frontend`` is ``""`` where the module itself is never re-captured (the eager root of the
+    subtrees frontend: its captured parts carry their own recipes).
+    """
+
+    model: nn.Module
+    frontend: str
+    inputs: Any
+    options: dict[str, Any]
+    passes: list[Any]
+    modules: list[nn.Module]
+    key: ModeKey
+    instrument: Any = None  # fxdebug.instrument (passed in: this module sits below api.py)
+    part_inputs: dict[str, Any] = field(default_factory=dict)  # subtrees: each part's recorded inputs
+    captures: dict[ModeKey, tuple[Graph, nn.Module | None, dict[str, Any]]] = field(default_factory=dict)
+
+
+def recipe(gm: nn.Module) -> Recipe | None:
+    return gm.__dict__.get(_ATTR)
+
+
+def mode_key(root_training: bool, modules: Sequence[nn.Module]) -> ModeKey:
+    return (root_training, *(m.training for m in modules))
+
+
+def _descendants(model: nn.Module) -> list[nn.Module]:
+    return [m for name, m in model.named_modules() if name]
+
+
+def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inputs: Any,
+             options: dict[str, Any], instrument: Any) -> None:
+    """Record on ``gm`` (and on each captured part) how to capture it again in other modes."""
+    inner = recipe(model)
+    if inner is not None:  # instrument(instrument(m)): the same model, the passes of both
+        model, passes, example_inputs = inner.model, [*inner.passes, *passes], inner.inputs
+        options = {**inner.options, **options}
+    options = {k: v for k, v in options.items() if k in ("leaf_modules", "auto_leaf", "dynamic_batch")}
+    frontend = gm.trace_info.frontend  # type: ignore[attr-defined]
+    parts = gm.parts() if hasattr(gm, "parts") else {"": gm}  # type: ignore[operator]
+    top = frontend if frontend in ("symbolic", "export") else ""
+    previous = recipe(gm)
+    rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model),
+                 mode_key(gm.training, _descendants(model)), instrument)
+    if top:
+        _store(gm, rec)
+        return
+    rec.part_inputs = dict(previous.part_inputs) if previous is not None else {}
+    known = rec.part_inputs
+    _store(gm, rec)
+    from .tracing import Inputs
+
+    for path, part in parts.items():
+        if not path or part is gm:
+            continue
+        module = model.get_submodule(path)
+        recorded = part.__dict__.get("_recorded_inputs")  # still there before the pass pipeline takes it
+        inputs = Inputs(*recorded[0], **recorded[1]) if recorded is not None else known.get(path)
+        rec.part_inputs[path] = inputs
+        prefix = f"{path}."
+        leaves = [x if isinstance(x, type) else str(x)[len(prefix):] for x in options.get("leaf_modules", ())
+                  if isinstance(x, type) or str(x).startswith(prefix)]
+        sub = {**options, "leaf_modules": leaves}
+        frontend_of_part = part.trace_info.frontend
+        _store(part, Recipe(module, frontend_of_part if inputs is not None or frontend_of_part == "symbolic" else "",
+                            inputs, sub, list(passes), _descendants(module),
+                            mode_key(part.training, _descendants(module)), instrument))
+
+
+def _store(gm: nn.Module, rec: Recipe) -> None:
+    object.__setattr__(gm, _ATTR, rec)
+
+
+def ensure_mode(gm: nn.Module) -> None:
+    """Before a call: make sure ``gm`` runs the graph captured for the modes its modules are in now."""
+    rec = gm.__dict__.get(_ATTR)
+    if rec is None or not rec.frontend:
+        return
+    key = mode_key(gm.training, rec.modules)
+    if key == rec.key:
+        return
+    with _LOCK:
+        if key != rec.key:
+            _switch(gm, rec, key)
+
+
+def _switch(gm: nn.Module, rec: Recipe, key: ModeKey) -> None:
+    rec.captures[rec.key] = (gm.graph, gm._modules.get(NAMESPACE), gm.meta.get("fxdebug", {}))
+    stored = rec.captures.get(key)
+    if stored is None:
+        stored = _capture(gm, rec, key)
+        rec.captures[key] = stored
+    graph, space, meta = stored
+    if space is None:
+        gm._modules.pop(NAMESPACE, None)
+    else:
+        gm._modules[NAMESPACE] = space
+    gm.graph = graph  # recompiles
+    gm.meta["fxdebug"] = meta
+    rec.key = key
+
+
+def _capture(gm: nn.Module, rec: Recipe, key: ModeKey) -> tuple[Graph, nn.Module | None, dict[str, Any]]:
+    instrument = rec.instrument
+    shell = copy.copy(rec.model)  # shares children, parameters, buffers; carries the root's new flag
+    object.__setattr__(shell, "training", key[0])
+    was = "training" if rec.key[0] else "eval"
+    now = "training" if key[0] else "eval"
+    try:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False), _no_cuda_autocast():
+            new = instrument(shell, rec.passes, rec.inputs, frontend=rec.frontend, **rec.options)
+    except Exception as exc:
+        raise TraceError(
+            f"{type(rec.model).__name__} was captured in {was} mode and is now called in {now} mode; capturing "
+            f"it again for the new modes failed: {getattr(exc, 'message', str(exc))}. Instrument the model in "
+            "the mode you run it in.", module="", op=type(rec.model).__name__) from exc
+    meta = new.meta.get("fxdebug", {})
+    same = new.graph.python_code("self").src == gm.graph.python_code("self").src
+    changed = sum(a != b for a, b in zip(rec.key, key))
+    note = (f"modes: captured again by {rec.frontend} when called in {now} mode ({changed} module flag(s) changed); "
+            + ("the graph is the same as the other mode's: it does not depend on the training flag" if same else
+               "the graph differs from the other mode's: it depends on the training flag; each mode runs its own"))
+    for record in (meta, gm.meta.get("fxdebug", {})):  # both modes' reports say it
+        info = record.get("trace") if hasattr(record, "get") else None
+        if info is not None and note not in info.notes:
+            info.notes.append(note)
+    return new.graph, new._modules.get(NAMESPACE), meta
+
+
+class _no_cuda_autocast:
+    """Capture outside any CUDA autocast region the call happens to run in."""
+
+    def __enter__(self) -> None:
+        self._ctx = torch.autocast("cuda", enabled=False) if torch.cuda.is_available() else None
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
