@@ -69,8 +69,8 @@ def fold_params(view: GraphView) -> None:
     users = _users(view)
     gone = set()
     for v in view.nodes.values():
-        if v.kind != "get_attr" or not users[v.name] or any(u.kind == "output" for u in users[v.name]):
-            continue
+        if v.kind != "get_attr" or any(u.kind == "output" for u in users[v.name]):
+            continue  # a parameter the model returns stays a box; an unread one (a tied weight) just goes
         for u in users[v.name]:
             u.params.append((v.target, v.shape, v.dtype))
         gone.add(v.name)
