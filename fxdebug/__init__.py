@@ -36,7 +36,7 @@ from . import numerics
 from .numerics import precision_plan
 from .module_outputs import outputs_of
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
-from .observe import SAMPLE, ObservationContext, Observer, Probe, Reductions, systematic_sample
+from .observe import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
 from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
 from .report import Report
@@ -53,6 +53,8 @@ __all__ = [
     "COLOR",
     "Column",
     "DeviceMismatchError",
+    "FusedProbe",
+    "FusedStats",
     "FxDebugError",
     "GradcheckResult",
     "HIDDEN",

@@ -33,6 +33,7 @@ from .errors import FxDebugError
 from .meta import INSTRUMENTATION, KEY, GraphRecord, graph_record, node_meta
 from .modes import ensure_mode
 from .observe import Clock, Observer
+from .runtime.lower import observer_of
 from .render import render as draw
 from .report import Report, build_report, merge_reports
 from .serialize import deserialize_graph, encode_pytree_info, serialize_graph
@@ -144,9 +145,9 @@ class Instrumented(GraphModule):
         out = {}
         for n in self.graph.nodes:
             meta = node_meta(n)
-            if n.op == "call_module" and meta.role == INSTRUMENTATION and meta.observes is not None:
-                obs = self.get_submodule(str(n.target))
-                if isinstance(obs, Observer):
+            if n.op in ("call_module", "call_function") and meta.role == INSTRUMENTATION and meta.observes is not None:
+                obs = observer_of(self, n)  # lowered observers are call_function nodes (runtime/lower.py)
+                if obs is not None:
                     out[meta.observes] = obs
         return out
 

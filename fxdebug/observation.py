@@ -14,6 +14,7 @@ from torch.fx import GraphModule, Node
 from .edits import add_module, insert_after
 from .meta import CLOCK, INSTRUMENTATION, is_instrumentation, module_path, node_meta, op_label
 from .observe import Clock, Observer, Probe
+from .runtime.lower import is_lowered, unlower
 
 __all__ = ["Observation"]
 
@@ -33,6 +34,9 @@ class Observation:
         gm = node.graph.owning_module
         assert isinstance(gm, GraphModule), "node must belong to a GraphModule"
         obs_node = next((u for u in node.users if node_meta(u).observes == node.name and u.op == "call_module"), None)
+        lowered = next((u for u in node.users if node_meta(u).observes == node.name and is_lowered(u)), None)
+        if obs_node is None and lowered is not None:
+            obs_node = unlower(gm, lowered)  # already lowered (re-instrumenting): back to its observer
         if obs_node is None:
             observer = Observer(node.name, module_path(node), op_label(node), self.clock(gm, pass_name))
             # An input's observer runs after the clock, so every observation sees this call's tick.

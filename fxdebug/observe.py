@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 from typing import Any, Callable, Sequence
 
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 
 from .columns import Column
 
-__all__ = ["SAMPLE", "Clock", "Observer", "Probe", "Reductions", "systematic_sample"]
+__all__ = ["SAMPLE", "Clock", "FusedProbe", "FusedStats", "Observer", "Probe", "Reductions", "systematic_sample"]
 
 # One re-entrant lock for every observer and clock: probe states are read-modify-write (pending
 # lists folded and cleared, counters), so calls from several threads must not interleave inside an
@@ -167,27 +168,36 @@ def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class Clock(nn.Module):
-    """Counts forward calls, on the host and on each device probes ask about.
+    """Counts forward calls, and owns the graph's fused-observation state table.
 
-    One ``Clock`` node runs at the start of the graph. ``clock.now(device)`` is a 0-d int64
-    tensor holding the index of the current forward call (0 for the first); it is advanced in
-    place at the start of each call, so probes compare it with tensor ops and never sync. The
-    host count is skipped while ``torch.compile`` traces (a Python int that changes every call
-    would make every call recompile); ``calls`` then reads the device count instead.
+    One ``Clock`` node runs at the start of the graph. It advances, in place, the device call
+    counter of the state table (``runtime.slots``: slot 0; every fused row reads it to know the
+    call it is in) and the 0-d int64 ticks that Python probes read through ``clock.now(device)``,
+    so probes compare calls with tensor ops and never sync. In a lowered graph it returns the
+    table, which every ``fxdebug::observe`` node takes as its state argument; it moves the table
+    to the device of the graph's first tensor input when that changes. The host count is skipped
+    while ``torch.compile`` traces (a Python int that changes every call would make every call
+    recompile); ``calls`` then reads the device count instead.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._ticks: dict[torch.device, Tensor] = {}
         self._host_calls = 0
+        self.rows = 0  # fused rows allocated (one per observed node and phase, plus channel rows)
+        self.spans: list[tuple[int, int]] = []  # (first index, count) of each node's channel slots
+        self.table: Tensor | None = None
+        self._host: list[float] | None = None  # host copy while a report is read
 
     @property
     def calls(self) -> int:
         """Forward calls since the last reset (reading it may sync when only devices counted)."""
-        if self._host_calls or not self._ticks:
+        if self._host_calls:
             return self._host_calls
-        return max(int(t) for t in self._ticks.values() if t.device.type != "meta") + 1 if any(
-            t.device.type != "meta" for t in self._ticks.values()) else 0
+        counts = [int(t) + 1 for t in self._ticks.values() if t.device.type != "meta"]
+        if self.table is not None and self.table.device.type != "meta":
+            counts.append(int(self.table[0]) + 1)
+        return max(counts, default=0)
 
     def now(self, device: torch.device) -> Tensor:
         tick = self._ticks.get(device)
@@ -196,27 +206,95 @@ class Clock(nn.Module):
             tick = self._ticks[device] = torch.full((), start, dtype=torch.int64, device=device)
         return tick
 
-    def forward(self, *anchors: Any) -> None:
+    # -- fused state ------------------------------------------------------------------------------
+    def allocate(self, channels: int = 0) -> tuple[int, int]:
+        """A new fused row, followed by ``channels`` per-channel slots (whole rows of them):
+        ``(row, absolute index of the first channel slot, or 0 without channels)``. Allocating
+        more later never moves what was allocated (re-instrumenting adds rows at the end)."""
+        from .runtime.slots import K
+
+        row = self.rows
+        off = K * (row + 2) if channels else 0
+        self.rows += 1 + (channels + K - 1) // K
+        if channels:
+            self.spans.append((off, channels))
+        self.table = None
+        return row, off
+
+    def materialize(self, device: torch.device | str = "cpu") -> Tensor:
+        """The state table, created fresh on ``device`` when missing (or moved there)."""
+        from .runtime.slots import init_table
+
+        if self.table is None:
+            self.table = init_table(self.rows, self.spans, device)
+            if self._host_calls:
+                self.table[0] = self._host_calls - 1
+        elif self.table.device != torch.device(device):
+            self.table = self.table.to(device)
+        return self.table
+
+    def host_table(self) -> list[float] | None:
+        """The table as Python floats (cached while ``reading()``); ``None`` on meta or unset."""
+        from .runtime.slots import host_copy
+
+        if self._host is not None:
+            return self._host
+        return host_copy(self.table)
+
+    @contextlib.contextmanager
+    def reading(self) -> Any:
+        """Read the table once for a whole report (one device-to-host copy)."""
+        from .runtime.slots import host_copy
+
+        self._host = host_copy(self.table)
+        try:
+            yield self
+        finally:
+            self._host = None
+
+    def forward(self, *anchors: Any) -> Tensor | None:
         with _locked():
             if not torch.compiler.is_compiling():
                 self._host_calls += 1
             for tick in self._ticks.values():  # none exist before the first call asks for one
                 tick.add_(1)
+            table = self.table
+            if self.rows:
+                device = next((a.device for a in anchors if isinstance(a, Tensor)), None)
+                if table is None or (device is not None and table.device != device):
+                    table = self.materialize(device if device is not None else "cpu")
+                table[0] += 1
+            return table
 
     def reset(self) -> None:
         self._ticks.clear()
         self._host_calls = 0
+        if self.table is not None:
+            device = self.table.device
+            self.table = None
+            self.materialize(device)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Clock":
         new = Clock()
         new.training = self.training
+        new.rows, new.spans = self.rows, list(self.spans)
+        if self.table is not None:
+            new.materialize(self.table.device)
         memo[id(self)] = new
         return new
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_ticks"] = {}
+        state["_host"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("rows", 0)
+        state.setdefault("spans", [])
+        state.setdefault("table", None)
+        state.setdefault("_host", None)
+        self.__dict__.update(state)
 
 
 class Probe:
@@ -245,6 +323,7 @@ class Probe:
     wants_inputs: bool = False
     channel_dim: int | None = None
     columns: Sequence[Column] = ()
+    fused: bool = False
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Tensor]:
         """Fresh state for a tensor like ``x`` (same device); ``phase`` is "forward" or "grad"."""
@@ -255,6 +334,65 @@ class Probe:
 
     def summary(self, state: dict[str, Tensor], phase: str) -> dict[str, Any]:
         """Plain numbers for the report (may sync)."""
+        return {}
+
+
+@dataclasses.dataclass
+class FusedStats:
+    """What the fused op accumulated for one node and phase since the last reset (host values).
+
+    ``calls`` counts every call, ``stat_calls`` those with a non-empty tensor; ``count`` is the
+    number of elements seen; ``sum``, ``sumsq`` and ``abs`` are float64 sums of x, x² and |x|;
+    ``zeros``, ``nan``, ``inf`` element counts; ``min``/``max`` (NaN once a NaN was seen);
+    ``norm`` the sum of per-call L2 norms; ``bad_calls`` calls with a NaN/Inf and
+    ``first_bad`` the earliest such call (``None``: never); ``chan_max`` the max per channel
+    (``None`` without channels or when the channel count changed between calls).
+    """
+
+    calls: int
+    stat_calls: int
+    count: int
+    sum: float
+    sumsq: float
+    abs: float
+    zeros: int
+    nan: int
+    inf: int
+    min: float
+    max: float
+    norm: float
+    bad_calls: int
+    first_bad: int | None
+    chan_max: list[float] | None
+
+    @classmethod
+    def from_table(cls, host: list[float], row: int, chan: tuple[int, int] | None) -> "FusedStats":
+        from .runtime.slots import decode_row
+
+        d = decode_row(host, row)
+        cm = None
+        if chan is not None and chan[1] and not d["chan_mismatch"]:
+            cm = host[chan[0]: chan[0] + chan[1]]
+        first = d["first_bad"]
+        return cls(calls=int(d["calls"]), stat_calls=int(d["stat_calls"]), count=int(d["count"]), sum=d["sum"],
+                   sumsq=d["sumsq"], abs=d["abs"], zeros=int(d["zeros"]), nan=int(d["nan"]), inf=int(d["inf"]),
+                   min=d["min"], max=d["max"], norm=d["norm"], bad_calls=int(d["bad_calls"]),
+                   first_bad=None if math.isinf(first) else int(first), chan_max=cm)
+
+
+class FusedProbe(Probe):
+    """A probe whose numbers all come from the node's fused statistics (``FusedStats``).
+
+    Its ``update`` is never called: the graph calls the fused op once per node and call, which
+    reads the tensor once for every fused probe on the node; ``summary_from`` turns the
+    accumulated statistics into report numbers. ``NaNCheck`` and ``StatCollector`` are fused
+    probes, which is why watching every op costs one read of each activation.
+    """
+
+    fused = True
+
+    def summary_from(self, stats: FusedStats, phase: str) -> dict[str, Any]:
+        """Plain numbers for the report from the fused statistics of ``phase``."""
         return {}
 
 
@@ -291,7 +429,9 @@ class Observer(nn.Module):
         self._channel_dim: int | None = None
         self.states: dict[tuple[str, str], dict[str, Tensor]] = {}
         self._devices: dict[tuple[str, str], torch.device] = {}  # where each state lives (cheap check)
-        self.calls = 0
+        self._calls = 0
+        # fused rows: phase -> (row, first channel slot, channels, channel dim); set by lowering
+        self.fused_rows: dict[str, tuple[int, int, int, int]] = {}
         object.__setattr__(self, "_clock", clock)  # shared, not a child: one clock per graph
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -313,10 +453,51 @@ class Observer(nn.Module):
     def wants_grads(self) -> bool:
         return self._grads
 
+    @property
+    def fused_probes(self) -> list[Probe]:
+        return [p for p in self.probes.values() if p.fused]
+
+    @property
+    def fully_fused(self) -> bool:
+        """Every probe reads fused statistics only: the graph can call the op directly."""
+        return bool(self.probes) and all(p.fused and not p.wants_inputs for p in self.probes.values())
+
+    @property
+    def fused_channel_dim(self) -> int | None:
+        return next((p.channel_dim for p in self.fused_probes if p.channel_dim is not None), None)
+
+    def assign_rows(self, channels: int) -> None:
+        """Allocate this node's fused rows in the clock's table (once; kept when re-lowered)."""
+        if self._clock is None or not self.fused_probes:
+            return
+        cdim = self.fused_channel_dim
+        phases = ["forward"] + (["grad"] if any(p.grads for p in self.fused_probes) else [])
+        for phase in phases:
+            if phase in self.fused_rows:
+                continue
+            n = channels if (cdim is not None and phase == "forward") else 0
+            row, off = self._clock.allocate(n)
+            self.fused_rows[phase] = (row, off, n, cdim if cdim is not None else 0)
+
+    @property
+    def calls(self) -> int:
+        """Forward calls seen (a lowered observer's count lives in the table: reading it may sync)."""
+        fused = self.fused_rows.get("forward")
+        host = self._clock.host_table() if (fused is not None and self._clock is not None) else None
+        if host is not None:
+            from .runtime.slots import decode_row
+
+            return max(self._calls, int(decode_row(host, fused[0])["calls"]))
+        return self._calls
+
+    @calls.setter
+    def calls(self, value: int) -> None:
+        self._calls = value
+
     def reset(self) -> None:
         self.states.clear()
         self._devices.clear()
-        self.calls = 0
+        self._calls = 0
 
     # -- runtime --------------------------------------------------------------------------------
     def forward(self, out: Any, *inputs: Any) -> None:
@@ -324,7 +505,7 @@ class Observer(nn.Module):
             return None
         with _locked():
             if not torch.compiler.is_compiling():  # a changing Python int would recompile every call
-                self.calls += 1
+                self._calls += 1
             self._observe(out, "forward", inputs)
         if self._grads and out.requires_grad and torch.is_grad_enabled():
             out.register_hook(self._grad_hook)
@@ -336,15 +517,24 @@ class Observer(nn.Module):
         return None
 
     def _observe(self, x: Tensor, phase: str, inputs: tuple[Any, ...]) -> None:
+        fused = self.fused_rows.get(phase)
+        if fused is not None and self._clock is not None:  # one fused read for every fused probe
+            table = self._clock.table
+            if table is None or table.device != x.device:
+                table = self._clock.materialize(x.device)
+            from .runtime.ops import observe_op
+
+            observe_op()(x.detach(), table, *fused)
+        python = [(k, p) for k, p in self.probes.items() if not p.fused and (phase == "forward" or p.grads)]
+        if not python:
+            return
         r = Reductions(x.detach(), self._channel_dim)
         clock = self._clock.now(x.device) if self._clock is not None else None
-        call = max(self._clock._host_calls - 1, 0) if self._clock is not None else max(self.calls - 1, 0)
+        call = max(self._clock._host_calls - 1, 0) if self._clock is not None else max(self._calls - 1, 0)
         ctx = ObservationContext(self, phase, inputs, clock, call)
         # No no_grad() block: reductions run on the detached tensor, so they record no graph,
         # and entering the context manager would cost as much as a reduction on small tensors.
-        for key, probe in self.probes.items():
-            if phase == "grad" and not probe.grads:
-                continue
+        for key, probe in python:
             state = self.states.get((key, phase))
             if state is None or self._devices.get((key, phase)) != x.device:
                 state = self._state_for(key, phase, probe, state, x)
@@ -377,6 +567,19 @@ class Observer(nn.Module):
     def summary(self) -> dict[str, Any]:
         """Every probe's numbers for this node, keys prefixed ``grad_`` for the gradient phase."""
         out: dict[str, Any] = {}
+        host = self._clock.host_table() if (self.fused_rows and self._clock is not None) else None
+        for phase in ("forward", "grad"):
+            fused = self.fused_rows.get(phase)
+            if fused is None or host is None:
+                continue
+            stats = FusedStats.from_table(host, fused[0], (fused[1], fused[2]))
+            if not stats.calls:
+                continue  # never observed (e.g. no gradient flowed here): no numbers, as for Python probes
+            for probe in self.fused_probes:
+                if phase == "grad" and not probe.grads:
+                    continue
+                values = probe.summary_from(stats, phase)  # type: ignore[attr-defined]
+                out.update({f"grad_{k}": v for k, v in values.items()} if phase == "grad" else values)
         with _locked():
             items = sorted(self.states.items())
         for (key, phase), state in items:
@@ -398,6 +601,9 @@ class Observer(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_devices", {})
+        state.setdefault("fused_rows", {})
+        if "calls" in state:
+            state["_calls"] = state.pop("calls")
         self.__dict__.update(state)
 
 

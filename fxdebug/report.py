@@ -18,6 +18,7 @@ columns with the ``ORIGIN`` role:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from torch.fx import GraphModule, Node
 
 from .columns import NONFINITE, ORIGIN, Column, columns_with, resolve_columns
 from .meta import is_instrumentation, module_path, op_label
-from .observe import Observer
+from .runtime.lower import observer_of
+from .runtime.ops import backend, fallback_reason
 
 __all__ = ["Report", "build_report", "merge_reports"]
 
@@ -189,28 +191,31 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
     observers: dict[str, Any] = {}
     declared: list[Column] = []
     for n in nodes:
-        meta = n.meta.get("fxdebug", {})
-        if n.op == "call_module" and meta.get("role") == "instrumentation" and "observes" in meta:
-            mod = gm.get_submodule(str(n.target))
-            if isinstance(mod, Observer):
-                observers[meta["observes"]] = mod
+        mod = observer_of(gm, n)  # a call_module observer, or the module behind a lowered op call
+        if mod is not None:
+            observers[n.meta["fxdebug"]["observes"]] = mod
     rows = []
     by_name = {n.name: n for n in nodes}
+    clocks = {id(o._clock): o._clock for o in observers.values() if o._clock is not None}
     if observers:
-        for name in sorted(observers, key=lambda k: order.get(k, 0)):
-            node = by_name.get(name)
-            if node is None:
-                continue
-            row = _base_row(node)
-            obs = observers[name]
-            declared.extend(obs.columns())
-            row["calls"] = obs.calls or calls  # under torch.compile only the device clock counts
-            row.update(obs.summary())
-            rows.append(row)
+        with contextlib.ExitStack() as stack:
+            for clock in clocks.values():
+                stack.enter_context(clock.reading())  # one device-to-host copy of each state table
+            for name in sorted(observers, key=lambda k: order.get(k, 0)):
+                node = by_name.get(name)
+                if node is None:
+                    continue
+                row = _base_row(node)
+                obs = observers[name]
+                declared.extend(obs.columns())
+                row["calls"] = obs.calls or calls  # under torch.compile only the device clock counts
+                row.update(obs.summary())
+                rows.append(row)
     else:
         rows = [_base_row(n) for n in nodes if n.op in ("call_module", "call_function", "call_method") and not is_instrumentation(n)]
     columns = resolve_columns(declared)
     entered = _backward_origin(rows, columns)
+    notes = list(notes) + _runtime_notes(clocks.values())
     return Report(
         rows=rows,
         first_nonfinite=_forward_origin(rows, columns),
@@ -256,6 +261,15 @@ def merge_reports(parts: Mapping[str, Report], *, frontend: str = "symbolic", no
         calls=max((rep.calls for rep in parts.values()), default=0),
         columns=columns,
     )
+
+
+def _runtime_notes(clocks: Any) -> list[str]:
+    """Say so when fused statistics on CPU ran on the pure-torch fallback instead of the C++ kernel."""
+    on_cpu = any(c.table is not None and c.table.device.type == "cpu" for c in clocks)
+    if on_cpu and backend() != "c++":
+        return [f"runtime: the C++ observation kernel is not available ({fallback_reason()}); the pure-torch "
+                "fallback computed the same statistics, more slowly."]
+    return []
 
 
 def _first_calls(rows: list[dict[str, Any]], columns: list[Column], phase: str) -> list[tuple[int, int]]:

@@ -1,9 +1,9 @@
 """``NaNCheck``: where did the NaN (or Inf) come from — forward and, optionally, backward.
 
-``mode="record"`` (the default) never synchronises with the host. Per call and node it reads one
-reduction — the sum, which NaN and Inf propagate through and which ``StatCollector`` shares — and
-updates, in place, "how many calls saw non-finite values" and "the earliest call that did"
-(compared with the graph clock's device counter). The report turns those per-node facts into the
+``mode="record"`` (the default) never synchronises with the host. Per call and node it reads the
+node's fused statistics (``torch.ops.fxdebug.observe``: one pass over the tensor, shared with
+``StatCollector``, with exact NaN and Inf counts) and updates, in place on the device, "how many
+calls saw non-finite values" and "the earliest call that did" (the graph clock's device counter). The report turns those per-node facts into the
 origin: the first node, in execution order, among those that went non-finite in the earliest
 such call — its inputs were finite.
 
@@ -11,8 +11,8 @@ such call — its inputs were finite.
 counts and its inputs' ranges. It syncs once per node and call: the one documented exception to
 "no host sync".
 
-Exact NaN/Inf element counts cost two extra passes per node and call, so record mode keeps them
-only with ``counts=True``; raise mode always computes them (once, when it raises).
+``counts=True`` adds the NaN and Inf element counts to the report (the fused pass computes them
+anyway); raise mode always gives them in its message.
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import HIDDEN, NONFINITE, ORIGIN, Column, NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
+from fxdebug import HIDDEN, NONFINITE, ORIGIN, Column, FusedProbe, FusedStats, NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
 
 __all__ = ["NaNCheck"]
 
-_NEVER = torch.iinfo(torch.int64).max
 _OPS = ("placeholder", "call_module", "call_function", "call_method")
 
 
@@ -40,14 +39,9 @@ def read(t: Any) -> Any:
 
 
 def has_nonfinite(r: Reductions) -> Tensor:
-    """0-d bool tensor: does the watched tensor hold any NaN or Inf? One ``sum``, no sync.
-
-    NaN propagates through a sum, an Inf makes it +/-Inf (or NaN when both signs meet), so the
-    sum of the tensor is non-finite exactly when an element is — except for finite values so
-    large that their float32 sum overflows (beyond 3e38), which this reports as non-finite too.
-    The sum is shared with ``StatCollector`` on the same node, so together they read it once.
-    """
-    return ~torch.isfinite(r["sum"])
+    """0-d bool tensor: does the watched tensor hold any NaN or Inf? Exact (no sum that could
+    overflow on large finite values); used by raise mode, which syncs on it."""
+    return ~torch.isfinite(r.x).all()
 
 
 def nonfinite_columns(counts: bool) -> tuple[Column, ...]:
@@ -62,11 +56,12 @@ def nonfinite_columns(counts: bool) -> tuple[Column, ...]:
     return cols
 
 
-class NonFiniteProbe(Probe):
+class NonFiniteProbe(FusedProbe):
     """Record-mode probe: counts the calls that saw NaN/Inf and remembers the earliest one.
 
-    State is three 0-d tensors updated in place (fixed size, on the watched tensor's device), so
-    record mode neither syncs nor grows, and ``torch.compile`` sees the same state every call.
+    It reads the node's fused statistics (one pass over the tensor shared with ``StatCollector``;
+    exact NaN and Inf counts, so large finite values are never mistaken for an overflow), kept
+    on the device in the graph's fixed-size state table: record mode neither syncs nor grows.
     """
 
     key = "nan-check"
@@ -76,39 +71,23 @@ class NonFiniteProbe(Probe):
         self.counts = counts
         self.columns = nonfinite_columns(counts)
 
-    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
-        zero = torch.zeros((), dtype=torch.int64, device=x.device)
-        state: dict[str, Any] = {"bad": zero, "first": torch.full_like(zero, _NEVER), "never": torch.full_like(zero, _NEVER)}
+    def summary_from(self, stats: FusedStats, phase: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"nonfinite_calls": stats.bad_calls, "nonfinite_first_call": stats.first_bad}
         if self.counts:
-            state["nan"], state["inf"] = zero.clone(), zero.clone()
-        return state
-
-    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
-        if r.x.numel() == 0:  # an empty tensor (zero-size batch) holds no value, so no non-finite one
-            return
-        bad = has_nonfinite(r)
-        clock = ctx.clock if ctx.clock is not None else torch.full((), ctx.call, dtype=torch.int64, device=bad.device)
-        state["bad"].add_(bad)
-        torch.minimum(state["first"], torch.where(bad, clock, state["never"]), out=state["first"])
-        if self.counts:
-            state["nan"].add_(r["nan"])
-            state["inf"].add_(r["inf"])
-
-    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
-        first = read(state["first"])
-        out = {"nonfinite_calls": read(state["bad"]), "nonfinite_first_call": None if first in (None, _NEVER) else first}
-        if self.counts:
-            out["nan"], out["inf"] = read(state["nan"]), read(state["inf"])
+            out["nan"], out["inf"] = stats.nan, stats.inf
         return out
 
 
-class RaisingProbe(NonFiniteProbe):
+class RaisingProbe(Probe):
     """Raise-mode probe: checks every call on the host and raises ``NonFiniteError`` at once."""
 
+    key = "nan-check"
     wants_inputs = True
 
     def __init__(self, *, grads: bool, counts: bool, node: Node, inputs: list[str], module: Any) -> None:
-        super().__init__(grads=grads, counts=counts)
+        self.grads = grads
+        self.counts = counts
+        self.columns = nonfinite_columns(counts)
         self.describe = fxdebug.describe(node)
         self.node_name, self.module, self.op = node.name, fxdebug.module_path(node), fxdebug.op_label(node)
         self.where = fxdebug.source_line(node)
@@ -116,14 +95,27 @@ class RaisingProbe(NonFiniteProbe):
         self.input_names = inputs
         self.owner = module  # the node's module (not registered as a child): its weights may be the culprit
 
+    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
+        return {"bad": 0, "first": None, "nan": 0, "inf": 0}
+
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
-        super().update(state, r, ctx)
-        if r.x.numel() == 0:
+        if r.x.numel() == 0 or r.x.device.type == "meta":
             return
-        bad = has_nonfinite(r)
-        if bad.device.type == "meta" or not bool(bad):  # the documented sync
+        if self.counts:
+            state["nan"] += int(torch.isnan(r.x).sum())
+            state["inf"] += int(torch.isinf(r.x).sum())
+        if not bool(has_nonfinite(r)):  # the documented sync
             return
+        state["bad"] += 1
+        if state["first"] is None:
+            state["first"] = ctx.call
         raise NonFiniteError(self._message(r, ctx), node=self.node_name, module=self.module, op=self.op)
+
+    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
+        out = {"nonfinite_calls": state["bad"], "nonfinite_first_call": state["first"]}
+        if self.counts:
+            out["nan"], out["inf"] = state["nan"], state["inf"]
+        return out
 
     def _message(self, r: Reductions, ctx: ObservationContext) -> str:
         x = r.x
@@ -166,7 +158,7 @@ class NaNCheck(fxdebug.Pass):
         backward: also watch the gradient flowing into every node's output
             (``report().first_nonfinite_grad``): a cheap, precise alternative to
             ``torch.autograd.detect_anomaly``.
-        counts: in record mode, also count NaN and Inf elements (two extra passes per node).
+        counts: also report the NaN and Inf element counts (``nan``, ``inf``; free: the fused pass counts them).
         views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
             default, since they only rearrange values their input already had.
         where: limit the watched nodes (globs over module paths / node names, or a predicate).

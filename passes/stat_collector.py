@@ -1,27 +1,21 @@
 """``StatCollector``: activation (and gradient) statistics of every node, over a whole data set.
 
-Per node and call it reads cheap single-pass reductions of the output, shared with any other
-probe on the node (``NaNCheck`` reads the same sum): sum, L2 norm, min, and the max taken per
-channel where the output has channels (which makes the dead-channel fraction free). It adds them
-in place into a fixed-size float64 state on the device; nothing is read back to the host before
-the report.
+Per node and call the graph calls the fused observation op (``torch.ops.fxdebug.observe``, a
+C++ kernel on CPU), which reads the output once — shared with ``NaNCheck`` on the same node — and
+adds its sum, sum of squares, sum of |x|, min, max, zero/NaN/Inf counts and per-channel max
+into the node's fixed-size rows of the graph's float64 state table on the device; nothing is
+read back to the host before the report.
 
 Derived numbers: ``mean``, ``std`` (population, over every element seen), ``min``, ``max``,
 ``mean_abs``, ``zero_frac``, ``norm`` (mean per-call L2 norm), ``dead_frac`` (share of
 channels never positive over everything seen: the dead-ReLU signal), and with ``counts=True``
-exact ``nan`` / ``inf`` element counts. With ``grads=True`` the same for the gradient flowing
+the ``nan`` / ``inf`` element counts. With ``grads=True`` the same for the gradient flowing
 into each node's output, as ``grad_*`` columns (``grad_norm``: vanishing/exploding gradients).
 
-``mean_abs`` and ``zero_frac`` need kernels that cost 5-15 sums each on CPU (``abs`` with a
-temporary, a comparison and count), so on tensors above 65,536 elements they are estimated from
-a fixed systematic sample (64 contiguous blocks spread over the whole tensor; the row says
-``sampled_frac``); a fraction estimated that way is within about ±0.5 % (one standard error) of
-the exact one. ``StatCollector(exact=True)`` computes them over every element. Everything else is
-exact.
-
-``std`` comes from running sums of x and x² (one pass each, where a Welford pass would be several
-times slower on CPU): its resolution is about 1e-3 of the root-mean-square (float32 sums per
-call), so a std below that is reported as 0 — plenty unless |mean| dwarfs std.
+Every statistic is exact (every element is read; no sampling). Sums accumulate in float64, so
+large finite values (1e36 and up to float32's limit) neither overflow the statistics nor look
+non-finite. ``std`` comes from the running sums of x and x²; a variance below float64's
+resolution of them is reported as 0.
 """
 
 from __future__ import annotations
@@ -34,9 +28,8 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import COLOR, HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug import COLOR, HIDDEN, Column, FusedProbe, FusedStats, PassContext, PassResult, Where
 
-from .nan_check import read
 
 __all__ = ["StatCollector", "channel_dim_of"]
 
@@ -86,105 +79,54 @@ def stats_columns(counts: bool) -> tuple[Column, ...]:
     return cols
 
 
-class StatsProbe(Probe):
-    """Accumulates the statistics of one node's output (and gradient); see the module docstring.
+class StatsProbe(FusedProbe):
+    """The statistics of one node's output (and gradient); see the module docstring.
 
-    State is fixed-size and updated in place on the watched tensor's device: ``acc`` (float64:
-    sum, L2 norm, squared L2 norm, sum of |x| over the sample, zeros in the sample), ``counts``
-    (float64: elements, sampled elements, calls), ``lo`` (running min) and ``hi`` (running max,
-    per channel where there are channels). Nothing grows with the number of calls, nothing is read
-    back before the report, and ``torch.compile`` sees the same state on every call.
+    A fused probe: the graph calls ``torch.ops.fxdebug.observe`` once per node and call, which
+    reads the tensor once and adds sum, sum of squares, sum of |x|, min, max, zero/NaN/Inf counts
+    and the per-channel max into the node's fixed-size rows of the graph's state table, on the
+    tensor's device. Nothing grows with the number of calls, nothing is read back before the
+    report, and ``torch.compile`` sees the same state on every call.
     """
 
     key = "stats"
 
     def __init__(self, *, grads: bool = False, counts: bool = False, channel_dim: int | None = None,
-                 exact: bool = False) -> None:
+                 exact: bool = True) -> None:
         self.grads = grads
         self.counts = counts
         self.channel_dim = channel_dim
-        self.exact = exact
+        self.exact = exact  # kept for compatibility: every statistic is exact now
         self.columns = stats_columns(counts)
-        self._count_vectors: dict[tuple[int, int, torch.device], Tensor] = {}
 
-    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
-        f64 = dict(dtype=torch.float64, device=x.device)
-        state: dict[str, Any] = {
-            "acc": torch.zeros(5, **f64),
-            "counts": torch.zeros(3, **f64),
-            "lo": torch.full((), math.inf, **f64),
-            "hi": None,
-            "eps": torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps,
-        }
-        if self.counts:
-            state["nan"] = torch.zeros((), dtype=torch.int64, device=x.device)
-            state["inf"] = torch.zeros((), dtype=torch.int64, device=x.device)
-        return state
-
-    def _count_vector(self, numel: int, sampled: int, device: torch.device) -> Tensor:
-        """``[numel, sampled, 1]`` as a device tensor, made once per shape (no per-call copy)."""
-        if torch.compiler.is_compiling():  # a constant in the compiled graph; caching it would alias state
-            return torch.tensor([numel, sampled, 1], dtype=torch.float64, device=device)
-        key = (numel, sampled, device)
-        vec = self._count_vectors.get(key)
-        if vec is None:
-            vec = self._count_vectors[key] = torch.tensor([numel, sampled, 1], dtype=torch.float64).to(device)
-        return vec
-
-    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
-        if r.x.numel() == 0:
-            return
-        sumsq = r["sumsq"]
-        norm2 = r["norm2"]
-        if self.exact:
-            abs_sum, zeros, sampled = r["norm1"], r["numel"] - r["nonzero"], r.x.numel()
-        else:
-            abs_sum, zeros, sampled = r["sample_norm1"], r["sample_zeros"], r["sample_numel"]
-        vec = torch.stack([r["sum"], norm2, sumsq, abs_sum, zeros.to(norm2.dtype)])
-        state["acc"].add_(vec)
-        state["counts"].add_(self._count_vector(r.x.numel(), sampled, vec.device))
-        lo, hi = r.extremes()
-        torch.minimum(state["lo"], lo, out=state["lo"])
-        old = state["hi"]
-        if old is None or old.shape != hi.shape:  # first call, or the channel count changed
-            state["hi"] = hi.to(torch.float64) if old is None else torch.maximum(old.max(), hi.max()).to(torch.float64)
-        else:
-            torch.maximum(old, hi, out=old)
-        if self.counts:
-            state["nan"].add_(r["nan"])
-            state["inf"].add_(r["inf"])
-
-    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
-        if state["acc"].device.type == "meta":
-            return {}
-        n, sampled, calls = state["counts"].tolist()
+    def summary_from(self, s: FusedStats, phase: str) -> dict[str, Any]:
+        n, calls = s.count, s.stat_calls
         if n == 0:
             return {"count": 0}
-        s, norm_sum, sq, l1, zeros = state["acc"].tolist()
-        hi = state["hi"]
-        mean = s / n
-        var = sq / n - mean * mean
-        if var <= 8 * state["eps"] * (sq / n):  # below what the per-call float32 sums can resolve
+        mean = s.sum / n
+        var = s.sumsq / n - mean * mean
+        if var <= 16 * _EPS * (s.sumsq / n):  # below what float64 sums can resolve
             var = 0.0
         out: dict[str, Any] = {
-            "count": int(n),
-            "calls": int(calls),
+            "count": n,
+            "calls": calls,
             "mean": mean,
             "std": math.sqrt(var) if math.isfinite(var) else math.nan,
-            "min": read(state["lo"]),
-            "max": read(hi.max()) if hi is not None else None,
-            "mean_abs": l1 / sampled if sampled else None,
-            "zero_frac": zeros / sampled if sampled else None,
-            "norm": norm_sum / calls if calls else None,
+            "min": s.min,
+            "max": s.max,
+            "mean_abs": s.abs / n,
+            "zero_frac": s.zeros / n,
+            "norm": s.norm / calls if calls else None,
         }
-        if sampled < n:
-            out["sampled_frac"] = sampled / n
-        if phase == "forward" and self.channel_dim is not None and hi is not None and hi.dim() == 1:
-            out["dead_frac"] = read((hi <= 0).to(torch.float64).mean())
-            out["channels"] = hi.numel()
+        if phase == "forward" and s.chan_max is not None:
+            out["dead_frac"] = sum(1 for v in s.chan_max if v <= 0) / len(s.chan_max)
+            out["channels"] = len(s.chan_max)
         if self.counts:
-            out["nan"], out["inf"] = read(state["nan"]), read(state["inf"])
+            out["nan"], out["inf"] = s.nan, s.inf
         return out
+
+
+_EPS = torch.finfo(torch.float64).eps
 
 
 class StatCollector(fxdebug.Pass):
@@ -193,11 +135,10 @@ class StatCollector(fxdebug.Pass):
 
     Args:
         grads: also collect the statistics of the gradient w.r.t. each node's output.
-        counts: also count NaN and Inf elements exactly (two extra passes per node and call).
+        counts: also report the NaN and Inf element counts (free: the fused pass counts them).
         views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
             default, since their statistics repeat their input's.
-        exact: compute ``mean_abs`` and ``zero_frac`` over every element instead of a sample on
-            tensors above 65,536 elements (slower on CPU; see the module docstring).
+        exact: accepted for compatibility; every statistic is computed over every element.
         channel_dim: ``"auto"`` (see ``channel_dim_of``), an int for every node, or ``None`` to
             skip per-channel statistics (dead fraction).
         where: limit the watched nodes (globs over module paths / node names, or a predicate).

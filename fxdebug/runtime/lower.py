@@ -1,0 +1,142 @@
+"""Lowering: observers whose probes all read fused statistics become direct op calls.
+
+Passes attach probes to one ``Observer`` per node (``PassContext.observe``). Once every pass
+ran, ``lower_observers`` gives each observer with fused probes its rows in the graph's state
+table and, where all its probes are fused, replaces the ``call_module`` to it with
+
+    observe = torch.ops.fxdebug.observe.default(node, clock, row, chan_off, channels, channel_dim)
+
+— a ``call_function`` straight into the dispatcher (the C++ kernel on CPU), no Python per node
+and call. The clock node (the graph's first instrumentation node) returns the state table.
+Watching gradients adds a ``observe_grad`` tap, which registers one hook whose body is the same
+op on the gradient. The observer module stays registered (it holds the probes and builds the
+report rows); ``meta["fxdebug"]["observer"]`` names it on the lowered nodes. ``unlower`` undoes
+it for a node (re-instrumenting attaches more probes to the same observer).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule, Node
+
+from ..meta import fx_meta
+from ..observe import Clock, Observer
+from .ops import load, observe_op
+
+__all__ = ["GradTap", "is_lowered", "lower_observers", "observe_grad", "observer_of", "unlower"]
+
+
+class GradTap:
+    """The hook ``observe_grad`` registers: the fused op on the gradient, nothing else."""
+
+    __slots__ = ("table", "args")
+
+    def __init__(self, table: Tensor, args: tuple[int, int, int, int]) -> None:
+        self.table, self.args = table, args
+
+    def __call__(self, grad: Tensor) -> None:
+        torch.ops.fxdebug.observe.default(grad, self.table, *self.args)
+        return None
+
+
+@torch.fx.node.has_side_effect
+def observe_grad(x: Any, table: Tensor | None, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
+    """Observe the gradient flowing into ``x`` when the backward runs (no-op without autograd)."""
+    if isinstance(x, Tensor) and table is not None and x.requires_grad and torch.is_grad_enabled():
+        x.register_hook(GradTap(table, (row, chan_off, channels, channel_dim)))
+
+
+def is_lowered(node: Node) -> bool:
+    return node.op == "call_function" and "observer" in fx_meta(node)
+
+
+def observer_of(gm: GraphModule, node: Node) -> Observer | None:
+    """The ``Observer`` behind an instrumentation node, lowered or not."""
+    meta = fx_meta(node)
+    if meta.get("role") != "instrumentation" or "observes" not in meta:
+        return None
+    target = meta.get("observer") if node.op == "call_function" else (node.target if node.op == "call_module" else None)
+    if target is None:
+        return None
+    try:
+        mod = gm.get_submodule(str(target))
+    except AttributeError:
+        return None
+    return mod if isinstance(mod, Observer) else None
+
+
+def _clock_node(gm: GraphModule) -> Node | None:
+    return next((n for n in gm.graph.nodes if n.op == "call_module" and fx_meta(n).get("role") == "clock"), None)
+
+
+def _channels(node: Node, cdim: int | None) -> int:
+    shape = fx_meta(node).get("shape")
+    if cdim is None or not shape or len(shape) < 2:
+        return 0
+    c = shape[cdim % len(shape)]
+    return int(c) if isinstance(c, int) else 0
+
+
+def lower_observers(gm: GraphModule) -> int:
+    """Lower every fully fused observer of ``gm``; returns how many nodes now call the op."""
+    clock_node = _clock_node(gm)
+    if clock_node is None:
+        return 0
+    clock = gm.get_submodule(str(clock_node.target))
+    if not isinstance(clock, Clock):
+        return 0
+    graph = gm.graph
+    lowered = 0
+    devices = []
+    for node in list(graph.nodes):
+        if node.op != "call_module" or fx_meta(node).get("role") != "instrumentation":
+            continue
+        obs = observer_of(gm, node)
+        if obs is None or not obs.fused_probes or not node.args or not isinstance(node.args[0], Node):
+            continue
+        x = node.args[0]
+        obs.assign_rows(_channels(x, obs.fused_channel_dim))
+        dev = fx_meta(x).get("device")
+        if dev is not None:
+            devices.append(str(dev))
+        if not obs.fully_fused:
+            continue  # Python probes too: the observer module calls the op itself
+        load()
+        meta = dict(fx_meta(node))
+        meta["observer"] = str(node.target)
+        prev = node
+        for phase, fn in (("forward", observe_op()), ("grad", observe_grad)):
+            if phase not in obs.fused_rows:
+                continue
+            with graph.inserting_after(prev):
+                new = graph.call_function(fn, (x, clock_node, *obs.fused_rows[phase]))
+            new.meta.update({k: v for k, v in node.meta.items() if k != "fxdebug"})
+            fx_meta(new).update(meta, phase=phase)
+            prev = new
+        graph.erase_node(node)
+        lowered += 1
+    if clock.rows:
+        anchors = [n for n in graph.nodes if n.op == "placeholder"]
+        clock_node.args = tuple(anchors)
+        clock.materialize(devices[0] if devices else "cpu")
+    gm.recompile()
+    return lowered
+
+
+def unlower(gm: GraphModule, node: Node) -> Node:
+    """Turn the lowered nodes of ``node``'s observer back into one ``call_module`` (returned)."""
+    meta = dict(fx_meta(node))
+    target = meta.pop("observer")
+    meta.pop("phase", None)
+    x = node.args[0]
+    siblings = [u for u in x.users if is_lowered(u) and fx_meta(u).get("observer") == target]  # type: ignore[union-attr]
+    with gm.graph.inserting_before(siblings[0]):
+        new = gm.graph.call_module(target, (x,))
+    new.meta.update({k: v for k, v in node.meta.items() if k != "fxdebug"})
+    fx_meta(new).update(meta)
+    for s in siblings:
+        gm.graph.erase_node(s)
+    return new
