@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from .errors import ArgumentTypeError, VerificationError
 from .inputs import bind_inputs, clone_inputs, normalize_inputs
 from .meta import fx_meta
-from .modes import recipe
+from .modes import NAMESPACE, recipe
 
 __all__ = ["Verification", "verify"]
 
@@ -96,6 +96,71 @@ def _restored(*roots: nn.Module) -> Iterator[None]:
                 m.training = training
 
 
+def _namespaces(dbg: nn.Module) -> list[nn.Module]:
+    """fxdebug's own modules of every part, in every mode captured so far."""
+    found: dict[int, nn.Module] = {}
+    parts = dbg.parts() if hasattr(dbg, "parts") else {"": dbg}
+    for part in {id(dbg): dbg, **{id(p): p for p in parts.values()}}.values():
+        space = part._modules.get(NAMESPACE)
+        if space is not None:
+            found[id(space)] = space
+        rec = recipe(part)
+        for _, other, _ in (rec.captures.values() if rec is not None else ()):
+            if other is not None:
+                found[id(other)] = other
+    return list(found.values())
+
+
+def _copy_value(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.detach().clone()
+    if isinstance(v, dict):
+        return {k: _copy_value(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_copy_value(x) for x in v]
+    return v
+
+
+def _put_back(current: Any, saved: Any) -> Any:
+    """``saved`` written into ``current`` in place where both are tensors of one shape (graphs may hold them)."""
+    if isinstance(current, Tensor) and isinstance(saved, Tensor) and current.shape == saved.shape \
+            and current.dtype == saved.dtype:
+        with torch.no_grad():
+            current.copy_(saved)
+        return current
+    return saved
+
+
+@contextlib.contextmanager
+def _statistics_kept(dbg: nn.Module) -> Iterator[None]:
+    """What the observers and the clock hold is put back: verify's calls are not the user's statistics."""
+    before = _namespaces(dbg)
+    saved = [(m, {k: _copy_value(v) for k, v in vars(m).items() if k not in _SKIP})
+             for space in before for m in space.modules()]
+    try:
+        yield
+    finally:
+        for m, values in saved:
+            for k, v in values.items():
+                cur = m.__dict__.get(k)
+                if isinstance(v, dict) and isinstance(cur, dict):
+                    kept = {key: _put_back(cur.get(key), x) for key, x in v.items()}
+                    cur.clear()
+                    cur.update(kept)
+                else:
+                    m.__dict__[k] = _put_back(cur, v)
+        known = {id(s) for s in before}
+        for space in _namespaces(dbg):  # captured for another mode during verify: start it empty
+            if id(space) not in known:
+                for m in space.modules():
+                    reset = getattr(m, "reset", None)
+                    if callable(reset) and m is not space:
+                        reset()
+
+
+_SKIP = frozenset(nn.Module().__dict__) - {"_buffers"}
+
+
 def _reset(model: nn.Module, buffers: dict[int, tuple[nn.Module, dict[str, Any], dict[str, Tensor]]],
            params: list[nn.Parameter], seed: int) -> None:
     """Back to the starting point between the two runs of one mode."""
@@ -158,7 +223,7 @@ def verify(dbg: nn.Module, example_inputs: Any, *, modes: tuple[str, ...] = ("tr
         raise ArgumentTypeError("verify() runs the model: pass example_inputs=(x,) (or a dict of keyword inputs).")
     args, kwargs = inputs
     result = Verification(ok=True, modes=tuple(modes))
-    with _restored(model, dbg):
+    with _restored(model, dbg), _statistics_kept(dbg):
         modules = list({id(m): m for r in (model, dbg) for m in r.modules()}.values())
         start = {id(m): (m, dict(m._buffers), {k: v.detach().clone() for k, v in m._buffers.items() if v is not None})
                  for m in modules}
