@@ -27,3 +27,5 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
   fi
 fi
 "$PY" -m pip install -q -e ".[test]"
+# Build (and cache) the fused observation kernel now rather than in the first test; falls back to pure torch.
+"$PY" -c "import fxdebug.runtime as r; print('fxdebug observation kernel:', r.load(), r.fallback_reason() or '')"
