@@ -25,6 +25,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 import fxdebug
+from .derived import mark_derived
 from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, fx_meta, node_values, replace_pattern
 
 __all__ = ["Fuse", "fold_batchnorm"]
@@ -65,7 +66,7 @@ def fold_batchnorm(layer: nn.Module, bn: nn.modules.batchnorm._BatchNorm) -> nn.
     b = (bias - mean) * scale + beta
     fused.weight = nn.Parameter(w.to(layer.weight.dtype), requires_grad=layer.weight.requires_grad)
     fused.bias = nn.Parameter(b.to(layer.weight.dtype), requires_grad=layer.weight.requires_grad)
-    return fused
+    return mark_derived(fused)  # derived from the model's weights: not in dbg.state_dict()
 
 
 class Fuse(Pass):

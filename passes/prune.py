@@ -30,6 +30,7 @@ import fxdebug
 from fxdebug import (Pass, PassContext, PassError, PassResult, UsageError, fx_meta, get_module, is_conv, is_linear,
                      keep_state, node_values)
 
+from .derived import mark_derived
 from .prune_groups import channel_groups
 
 __all__ = ["Masked", "PruneMasks", "sparsity", "unmask"]
@@ -71,7 +72,7 @@ def _bake(layer: nn.Module, masks: dict[str, Tensor]) -> nn.Module:
             new.register_hook(lambda g, m=mask: g * m)
         setattr(baked, name, new)
     baked._fxdebug_masks = masks  # type: ignore[attr-defined]
-    return baked
+    return mark_derived(baked)  # the model keeps its own weights; the copy is not in dbg.state_dict()
 
 
 def _lowest(scores: Tensor, k: int) -> Tensor:
@@ -92,6 +93,8 @@ class PruneMasks(Pass):
         loss_fn: ``loss_fn(output) -> scalar``, needed for ``importance="grad"``.
         batch: inputs for ``"grad"`` / ``"activation"`` (default: the example inputs).
         norm: 1 or 2, the channel norm for structured magnitude ranking.
+        prune_outputs: also prune the output channels of layers whose outputs are the model's
+            outputs (a classifier's logits). Off by default: a pruned class would always score 0.
         where: limit the pass to some layers.
     """
 
@@ -99,7 +102,7 @@ class PruneMasks(Pass):
 
     def __init__(self, amount: float, structured: bool | str = False, scope: str = "global",
                  importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,
-                 batch: Any = None, norm: int = 1, where: fxdebug.Where = None) -> None:
+                 batch: Any = None, norm: int = 1, prune_outputs: bool = False, where: fxdebug.Where = None) -> None:
         super().__init__(where=where)
         if not 0.0 <= float(amount) < 1.0:
             raise UsageError(f"PruneMasks(amount={amount!r}): amount is a fraction in [0, 1).")
@@ -116,6 +119,7 @@ class PruneMasks(Pass):
             raise UsageError(f"PruneMasks(norm={norm!r}): use 1 or 2.")
         self.amount, self.structured, self.scope, self.importance, self.bake = float(amount), structured or False, scope, importance, bake
         self.loss_fn, self.batch, self.norm = loss_fn, batch, norm
+        self.prune_outputs = bool(prune_outputs)
 
     # -- what to prune --------------------------------------------------------------------------
     def _layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, nn.Module]:
@@ -212,7 +216,13 @@ class PruneMasks(Pass):
             raise PassError("PruneMasks(structured=\"channels\") needs example inputs to find coupled channels: "
                             "call instrument(model, passes, example_inputs=(x,)).", pass_name=self.name)
         producers = {}
+        outputs = set() if self.prune_outputs else output_layers(gm, set(layers))
+        for p in sorted(outputs):
+            notes.append(f"kept {p}: its output channels are the model's outputs (pruning one fixes that output at 0); "
+                         "PruneMasks(prune_outputs=True) prunes them too.")
         for p, m in layers.items():
+            if p in outputs:
+                continue
             if isinstance(m, nn.modules.conv._ConvTransposeNd) and m.groups != 1:
                 notes.append(f"kept {p}: grouped ConvTranspose channels are not pruned.")
                 continue
@@ -282,6 +292,27 @@ class PruneMasks(Pass):
             notes.append(f"{path}: {s:.1%} of weights masked.")
         notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
         return PassResult(gm, replaced=replaced, notes=notes)
+
+
+def output_layers(gm: GraphModule, layers: set[str]) -> set[str]:
+    """Layers whose output channels reach the graph's output without passing another conv/linear."""
+    found: set[str] = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or str(node.target) not in layers:
+            continue
+        todo, seen = list(node.users), set()
+        while todo:
+            user = todo.pop()
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.op == "output":
+                found.add(str(node.target))
+                break
+            if user.op == "call_module" and str(user.target) in layers:
+                continue  # a layer mixes the channels: what comes after is its own
+            todo.extend(user.users)
+    return found
 
 
 def _zero_channels(layer: nn.Module, w: Tensor) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -122,7 +123,7 @@ def test_residual_cnn_fuses_every_pair_and_composes_with_other_passes():
     assert all(rows[name]["calls"] == 1 for name in fused_names)
     pruned = fxdebug.instrument(model, [Fuse(), PruneMasks(0.25, structured="channels"), SwapActivation()], example_inputs=(x,))
     assert torch.isfinite(pruned(x)).all()
-    assert sum("pruned" in fxdebug.fx_meta(n) for n in pruned.graph.nodes) == 11
+    assert sum("pruned" in fxdebug.fx_meta(n) for n in pruned.graph.nodes) == 10  # every conv; fc (the output) kept
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -144,3 +145,19 @@ def test_transforms_doc_example_runs():
     exec(compile(block.replace("print(", "_ = ("), "transforms.md", "exec"), ns)
     assert ns["dbg"].pass_results[0].notes[0].startswith("fused Conv2d (stem_0) + BatchNorm2d (stem_1)")
     assert abs(ns["sparsity"](ns["dbg"])["global"] - 0.3) < 1e-3
+
+
+def test_fused_layers_keep_the_models_state_dict_keys():
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
+    assert any(n.startswith("fxdebug.") for n, _ in dbg.named_parameters())  # the fused copies exist
+    assert list(dbg.state_dict()) == list(model.state_dict())
+    model.load_state_dict(dbg.state_dict())
+    dbg.load_state_dict(model.state_dict())
+    buf = io.BytesIO()
+    torch.save(dbg, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert list(loaded.state_dict()) == list(model.state_dict())
+    assert torch.equal(loaded(x), dbg(x))

@@ -123,9 +123,10 @@ def test_structured_channels_keep_residual_couplings_consistent():
     trunk1 = chans["stem.0"]
     assert trunk1 and chans["layer1.0.conv2"] == trunk1 == chans["layer1.1.conv2"] == chans["stem.1"]
     assert chans["layer2.0.down.0"] == chans["layer2.0.conv2"] == chans["layer2.1.conv2"]
-    for layer in ("stem.0", "layer1.0.conv1", "layer2.1.conv1", "fc"):
+    for layer in ("stem.0", "layer1.0.conv1", "layer2.1.conv1"):
         c = dbg.get_submodule(layer.replace(".", ".")).weight.shape[0]
         assert abs(len(chans[layer]) - 0.5 * c) <= 1
+    assert "fc" not in chans  # the classifier's outputs are the model's outputs: kept by default
     values = fxdebug.node_values(dbg, fxdebug.PassContext((x,)), ["add", "add_1", "layer1_0_bn1"])
     assert values["add"][:, trunk1].abs().max() == 0 and values["add_1"][:, trunk1].abs().max() == 0
     assert values["layer1_0_bn1"][:, chans["layer1.0.conv1"]].abs().max() == 0
@@ -163,3 +164,29 @@ def test_zoo_prunes_without_breaking(name):
     out = dbg(*inputs)
     leaves = out.values() if isinstance(out, dict) else out if isinstance(out, tuple) else [out]
     assert all(torch.isfinite(t).all() for t in leaves)
+
+
+def test_structured_pruning_keeps_the_output_layer_by_default_and_says_so():
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,))
+    pruned = {fxdebug.fx_meta(n)["pruned"]["layer"] for n in dbg.graph.nodes if "pruned" in fxdebug.fx_meta(n)}
+    assert "fc" not in pruned and "stem.0" in pruned
+    assert any(n.startswith("kept fc: its output channels are the model's outputs") for n in dbg.pass_results[-1].notes)
+    with torch.no_grad():
+        assert (dbg(x) != 0).all(dim=0).all()  # no class is pinned to logit 0
+    opted = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels", prune_outputs=True)], example_inputs=(x,))
+    zero = {fxdebug.fx_meta(n)["pruned"]["layer"]: fxdebug.fx_meta(n)["pruned"]["channels"]
+            for n in opted.graph.nodes if "pruned" in fxdebug.fx_meta(n)}["fc"]
+    assert zero and torch.equal(opted(x)[:, zero], torch.zeros(x.shape[0], len(zero)))
+
+
+@pytest.mark.parametrize("structured", [False, "channels"])
+def test_baked_masks_keep_the_models_state_dict_keys(structured):
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured=structured, bake=True)], example_inputs=(x,))
+    assert list(dbg.state_dict()) == list(model.state_dict())
+    model.load_state_dict(dbg.state_dict())
+    dbg.load_state_dict(model.state_dict())
+    assert any(p.requires_grad for n, p in dbg.named_parameters() if n.startswith("fxdebug."))  # the copies train
