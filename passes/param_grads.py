@@ -115,7 +115,8 @@ class ParamGrads(fxdebug.Pass):
     """Per-module parameter-gradient statistics (see the module docstring for the columns).
 
     Args:
-        where: limit the modules (globs over module paths, or a predicate over their nodes).
+        where: limit the modules (globs over module paths, ``fxdebug.outputs_of(...)`` — meaning the
+            modules themselves here — or a predicate over their nodes).
     """
 
     name = "param-grads"
@@ -124,11 +125,17 @@ class ParamGrads(fxdebug.Pass):
     def __init__(self, *, where: Where = None) -> None:
         super().__init__(where=where)
 
+    def _selects(self, node: Node) -> bool:
+        covers = getattr(self.where, "covers", None)  # outputs_of("layer1"): the modules themselves
+        if covers is not None:
+            return bool(covers(fxdebug.module_path(node)))
+        return fxdebug.matches(self.where, node)
+
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         groups: dict[Node, dict[str, nn.Parameter]] = {}
         seen: set[int] = set()
         for node in list(gm.graph.nodes):
-            if fxdebug.is_instrumentation(node) or not fxdebug.matches(self.where, node):
+            if fxdebug.is_instrumentation(node) or not self._selects(node):
                 continue
             params: dict[str, nn.Parameter] = {}
             host: Node | None = None
