@@ -33,7 +33,7 @@ from .graph_nx import to_networkx
 from .api import instrument, render, trace
 from .instrumented import Instrumented
 from . import numerics
-from .numerics import precision_plan
+from .numerics import diff, precision_plan
 from .module_outputs import outputs_of
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
@@ -89,6 +89,7 @@ __all__ = [
     "Where",
     "collect",
     "describe",
+    "diff",
     "find_pattern",
     "fx_meta",
     "get_module",

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+from .diff import Diff, diff
 from .precision import KeepFloat, PrecisionPlan, cast_back, keep_float, precision_plan
 from .shadow import ShadowOp, ShadowProbe, add_shadow, as_shadow, precision_origin
 
-__all__ = ["KeepFloat", "PrecisionPlan", "ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "cast_back",
+__all__ = ["Diff", "KeepFloat", "PrecisionPlan", "ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "cast_back", "diff",
            "keep_float", "precision_origin", "precision_plan"]
