@@ -86,6 +86,8 @@ def collect(
                 break
             try:
                 _step(dbg, batch, loss_fn, params)
+            except UsageError:
+                raise  # a mistake in the call (a bad batch form, a non-scalar loss), not a finding
             except FxDebugError as exc:
                 failure = exc
                 bar.message(f"batch {i + 1} failed a check: {exc}")
