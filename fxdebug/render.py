@@ -39,6 +39,7 @@ from .render_dot import (
 )
 from .render_fold import fold_view
 from .render_html import write_html
+from .render_parts import parts_view
 from .render_view import GraphView, build_view
 
 __all__ = ["COLORS", "FIT_PT", "build_dot", "fit_source", "render", "svg_size"]
@@ -110,8 +111,7 @@ def render(
     fmt = ext.lstrip(".").lower() or "svg"
     if fmt in ("html", "htm"):
         gm, report = _resolve(model_or_gm, example_inputs, report)
-        return write_html(build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed),
-                          out_path, diff=diff)
+        return write_html(_view(gm, report, show_instrumentation, failed), out_path, diff=diff)
     if diff is not None:
         raise UsageError("diff= colours the interactive viewer; write an .html file to use it.")
     if fmt not in _FORMATS:
@@ -119,7 +119,7 @@ def render(
     if not ext:
         out_path += ".svg"
     gm, report = _resolve(model_or_gm, example_inputs, report)
-    view = build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)
+    view = _view(gm, report, show_instrumentation, failed)
     if fold:
         fold_view(view)
     dot_path = stem + ".dot"
@@ -181,6 +181,14 @@ def _dot_text(source: str, dot_path: str, out_path: str) -> str:
     if proc.returncode != 0:
         raise FxDebugError(f"graphviz failed to lay out {out_path!r} (exit {proc.returncode}): {proc.stderr.strip()[:500]}")
     return proc.stdout
+
+
+def _view(gm: GraphModule, report: Any, show_instrumentation: bool, failed: Any) -> GraphView:
+    """The view of ``gm``: its graph, or every captured part joined by the data between them."""
+    parts = gm.parts() if callable(getattr(gm, "parts", None)) else {"": gm}
+    if list(parts) != [""]:
+        return parts_view(gm, report, failed=failed, show_instrumentation=show_instrumentation)
+    return build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)
 
 
 def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, Any]:

@@ -94,7 +94,7 @@ class VisNode:
         """The module cluster the node is drawn in: a leaf module's call sits in its parent."""
         if self.kind == "call_module" and self.placed is None:
             return self.module.rpartition(".")[0]
-        return self.where if self.kind not in ("placeholder", "output") else ""
+        return self.where if self.kind not in ("placeholder", "output") else (self.placed or "")
 
 
 @dataclass

@@ -40,6 +40,7 @@ from ..serialize import deserialize_graph, serialize_graph
 from ..tracing import TraceInfo
 from .base import Frontend, TraceOptions
 from .graphs import ExportFrontend, SymbolicFrontend
+from .part_flow import part_flow
 
 __all__ = ["SubtreeInstrumented", "SubtreesFrontend", "capture_subtrees"]
 
@@ -360,4 +361,5 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
     info.notes.extend(f"subtrees: {p or '<root>'} stays eager: {why}" for p, why in info.eager_modules.items())
     info.seconds = time.perf_counter() - start
     meta = {KEY: GraphRecord(trace=info, model_type=type(model).__name__)}
+    meta[KEY].extras["part_flow"] = part_flow({p: seen[p].calls[0] for p in order if seen[p].calls})  # the picture's edges
     return SubtreeInstrumented._assemble(shell, order, meta)
