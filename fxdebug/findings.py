@@ -9,7 +9,7 @@ threshold) and a suggested fix. Kinds, in the order they are listed:
                             where a non-finite gradient entered (backward)
 ``ExplodingGradients``      max |gradient| above ``exploding`` (default 1e3) over a run of nodes
 ``VanishingGradients``      max |gradient| below ``vanishing`` (default 1e-7) over a run of nodes,
-                            e.g. "gradients vanish below layer1.1: max |g| 2e-9"
+                            e.g. "gradients vanish at and below layer1.1: max |g| 2e-9"
 ``DeadActivations``         an activation (ReLU, GELU, ...) whose share of never-positive
                             channels is at least ``dead`` (default 0.5)
 ``HotSpot``                 any other probe column declared with the ``COLOR`` role whose value
@@ -208,7 +208,7 @@ def _gradient_findings(report: Any, rules: FindingRules) -> list[Finding]:
         last = run[-1][0]  # closest to the loss: below it nothing learns
         worst = max(run, key=lambda it: it[1])
         below = "below" if run[0] is items[0] else "between"
-        span = (f"below {_mod(last) or last['node']}" if below == "below" else
+        span = (f"at and below {_mod(last) or last['node']}" if below == "below" else
                 f"from {run[0][0]['node']} to {last['node']}")
         out.append(VanishingGradients(
             node=last["node"], module=_mod(last), figure=worst[1], nodes=tuple(it[0]["node"] for it in run),
