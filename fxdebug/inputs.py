@@ -95,6 +95,7 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
     """Run code against ``module`` and put its buffers and the RNG streams back afterwards."""
     saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
     plain = saved_plain_state(module)  # Python counters a forward advances (self.calls += 1)
+    entries = [(m, dict(m._buffers)) for m in module.modules()]  # a forward may rebind one (self.avg = ...)
     tensors = list(module.parameters()) + list(module.buffers())
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their RNGs too
     with torch.random.fork_rng(devices=devices, enabled=True):
@@ -102,6 +103,9 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
             yield
         finally:
             restore_plain_state(plain)
+            for m, bufs in entries:
+                if any(m._buffers.get(k) is not v for k, v in bufs.items()):
+                    m._buffers.update(bufs)
             with torch.no_grad():
                 for buf, copy in saved:
                     buf.copy_(copy)

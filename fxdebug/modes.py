@@ -30,7 +30,7 @@ from .errors import TraceError
 
 NAMESPACE = "fxdebug"  # fxdebug's own modules on an instrumented module (context.NAMESPACE)
 
-__all__ = ["Recipe", "ensure_mode", "mode_key", "recipe", "remember"]
+__all__ = ["Recipe", "ensure_mode", "follow_mode", "mode_key", "recipe", "remember"]
 
 _ATTR = "_fxdebug_recipe"
 _LOCK = threading.RLock()
@@ -55,6 +55,7 @@ class Recipe:
     key: ModeKey
     instrument: Any = None  # fxdebug.instrument (passed in: this module sits below api.py)
     part_inputs: dict[str, Any] = field(default_factory=dict)  # subtrees: each part's recorded inputs
+    part: bool = False  # a captured submodule of the subtrees frontend (it stands in for ``model``)
     captures: dict[ModeKey, tuple[Graph, nn.Module | None, dict[str, Any]]] = field(default_factory=dict)
 
 
@@ -106,11 +107,23 @@ def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inp
         frontend_of_part = part.trace_info.frontend
         _store(part, Recipe(module, frontend_of_part if inputs is not None or frontend_of_part == "symbolic" else "",
                             inputs, sub, list(passes), _descendants(module),
-                            mode_key(part.training, _descendants(module)), instrument))
+                            mode_key(part.training, _descendants(module)), instrument, part=True))
 
 
 def _store(gm: nn.Module, rec: Recipe) -> None:
     object.__setattr__(gm, _ATTR, rec)
+
+
+def follow_mode(gm: nn.Module, mode: bool) -> None:
+    """``part.train(mode)``: the submodule a captured part stands in for takes the flag too.
+
+    With one graph the model's submodules are the instrumented module's own, so ``dbg.train()``
+    reaches them; a part of the subtrees frontend replaces its module in the eager root, so
+    the module is switched here, and the model reads the same modes either way.
+    """
+    rec = gm.__dict__.get(_ATTR)
+    if rec is not None and rec.part:
+        rec.model.training = mode
 
 
 def ensure_mode(gm: nn.Module) -> None:

@@ -7,6 +7,13 @@ into an ``nn.Module`` whose ``forward`` replays the steps; symbolic tracing unro
 so each step becomes ordinary graph nodes: module calls, ``torch``/``F`` functions, tensor
 methods, in-place ops and ``get_attr`` parameters.
 
+With ``faithful=True`` the space also holds what symbolic tracing and export are blind to: custom
+``torch.autograd.Function`` s (a straight-through estimator, gradient reversal, a two-output
+Function), ``no_grad`` / ``enable_grad`` / ``set_grad_enabled`` / ``autocast`` regions,
+``if self.training:`` branches, a submodule that reassigns its buffer (an EMA) and one that counts
+its calls in Python, a counter in the root's own forward, and forward hooks and pre-hooks on the
+root and on an inner (non-leaf) block.
+
 The generator tracks every value's shape, so each drawn model runs. In-place ops are drawn only
 where autograd allows them: on the newest value, produced by an op that does not save its output
 for backward, before anything else read it.
@@ -34,13 +41,16 @@ with warnings.catch_warnings():
     except ImportError:  # pragma: no cover - libcst is optional
         pass
 
-__all__ = ["RELU_FORMS", "FuzzModel", "ModelSpec", "Step", "build", "flat_tensors", "model_specs"]
+__all__ = ["FAITHFUL_OPS", "RELU_FORMS", "FuzzModel", "ModelSpec", "Step", "build", "flat_tensors", "model_specs"]
 
 RELU_FORMS = ("relu_mod", "relu_mod_inplace", "F.relu", "F.relu_inplace", "torch.relu", "torch.relu_",
               "method.relu", "method.relu_")
 _INPLACE = {"relu_mod_inplace", "F.relu_inplace", "torch.relu_", "method.relu_", "affine_"}
 _ACTS = ("gelu_mod", "F.silu", "torch.tanh", "method.sigmoid", "leaky_mod", "F.elu", "method.softmax",
          "hardswish_mod", "torch.sigmoid")
+# constructs a graph must keep to stay faithful (model_specs(faithful=True)); all shape-preserving
+FAITHFUL_OPS = ("fn.ste", "fn.reverse", "fn.pair", "no_grad", "enable_grad", "set_grad", "autocast",
+                "train_branch", "ema", "counter", "hooked_block")
 # ops whose backward does not read their own output: an in-place op may follow them directly
 _SAFE_PRODUCERS = {"conv", "F.conv", "linear", "F.linear", "add", "cat", "bn", "ln", "F.layer_norm", "gn",
                    "avgpool", "add_const", "scale_param", "affine_"}
@@ -62,6 +72,8 @@ class ModelSpec:
     out_format: str
     seed: int = 0
     shapes: list[tuple[int, ...]] = field(default_factory=list)
+    root_counter: bool = False  # the root's forward does self.calls += 1 (keeps the root eager)
+    root_hooks: tuple[str, ...] = ()  # "pre" (scales the input), "post" (scales outputs), "log" (counts calls)
 
     def example(self, batch: int | None = None) -> Tensor:
         """A deterministic example input (seeded by the spec)."""
@@ -78,6 +90,80 @@ def _param_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[1],) + (1,) * (len(shape) - 2)
 
 
+class _STE(torch.autograd.Function):
+    """Straight-through rounding: forward rounds to quarters, backward passes the gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        return g
+
+
+class _Reverse(torch.autograd.Function):
+    """Gradient reversal with a scale (a non-tensor argument)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return -ctx.scale * g, None
+
+
+class _Pair(torch.autograd.Function):
+    """Two outputs, saved tensors, a backward unlike the forward's derivative."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(x)
+        return x.sin(), x * 2
+
+    @staticmethod
+    def backward(ctx: Any, ga: Tensor, gb: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return ga * x.sign() + gb
+
+
+class _EMA(nn.Module):
+    """Reassigns its buffer in forward (``self.avg = ...``): an EMA of the batch mean."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(shape[1:]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+        return x + self.avg
+
+
+class _Counter(nn.Module):
+    """Counts its calls in Python, and uses the count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return x * (1.0 + 0.1 * min(self.calls, 3))
+
+
+class _Block(nn.Module):
+    """A non-leaf block (traced through unless it has hooks) with a scale parameter."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(_param_shape(shape)) + 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.scale)
+
+
 class FuzzModel(nn.Module):
     """The model a ``ModelSpec`` describes. Also holds an unused layer (state_dict checks)."""
 
@@ -86,6 +172,8 @@ class FuzzModel(nn.Module):
         self.spec = spec
         self.leaky = leaky  # build every ReLU form as the matching LeakyReLU form instead
         self.unused = nn.Linear(2, 2)
+        self.calls = 0
+        self.hook_log: list[int] = []
         shapes = spec.shapes
         for i, s in enumerate(spec.steps):
             mod = self._make(s, [shapes[j] for j in s.inputs], leaky)
@@ -131,8 +219,19 @@ class FuzzModel(nn.Module):
             return nn.AvgPool2d(2)
         if op == "flatten" and s.arg == "module":
             return nn.Flatten()
-        if op == "scale_param":
+        if op in ("scale_param", "no_grad", "enable_grad", "set_grad"):
             return {"scale": nn.Parameter(torch.rand(_param_shape(shape)) + 0.5)}
+        if op == "autocast":
+            return {"w": nn.Parameter(torch.randn(shape[-1], shape[-1]) / math.sqrt(shape[-1]))}
+        if op == "ema":
+            return _EMA(shape)
+        if op == "counter":
+            return _Counter()
+        if op == "hooked_block":
+            block = _Block(shape)
+            block.register_forward_hook(lambda m, args, out: out * 0.5)
+            block.register_forward_pre_hook(lambda m, args: (args[0] + 0.25,))
+            return block
         if op == "F.linear":
             return {"w": nn.Parameter(torch.randn(s.arg, shape[-1]) / math.sqrt(shape[-1])),
                     "b": nn.Parameter(torch.randn(s.arg) * 0.1)}
@@ -142,6 +241,8 @@ class FuzzModel(nn.Module):
         return None
 
     def forward(self, x: Tensor) -> Any:
+        if self.spec.root_counter:
+            self.calls += 1
         vals = [x]
         for i, s in enumerate(self.spec.steps):
             vals.append(self._step(i, s, [vals[j] for j in s.inputs]))
@@ -161,8 +262,10 @@ class FuzzModel(nn.Module):
         op, h = s.op, xs[0]
         mod = getattr(self, f"m{i}", None)
         if op in ("relu_mod", "relu_mod_inplace", "gelu_mod", "leaky_mod", "hardswish_mod", "dropout_mod", "bn",
-                  "ln", "gn"):
+                  "ln", "gn", "ema", "counter", "hooked_block"):
             return mod(h)
+        if op in FAITHFUL_OPS:
+            return self._faithful(i, op, h)
         if op in ("linear", "conv"):
             return mod(mod(h)) if s.arg[-1] else mod(h)  # a module called twice
         if self.leaky is not None and op in RELU_FORMS[2:]:
@@ -238,6 +341,37 @@ class FuzzModel(nn.Module):
         raise AssertionError(f"unknown op {op}")
 
 
+    def _faithful(self, i: int, op: str, h: Tensor) -> Tensor:
+        if op == "fn.ste":
+            return _STE.apply(h)
+        if op == "fn.reverse":
+            return _Reverse.apply(h, 0.5)
+        if op == "fn.pair":
+            a, b = _Pair.apply(h)
+            return a + b
+        scale = getattr(self, f"p{i}_scale", None)
+        if op == "no_grad":  # a target computed without gradients (an EMA teacher's output)
+            with torch.no_grad():
+                t = h * scale
+            return h + t
+        if op == "enable_grad":
+            with torch.no_grad():
+                with torch.enable_grad():
+                    t = h * scale
+            return h - t
+        if op == "set_grad":
+            with torch.set_grad_enabled(False):
+                t = (h * scale).tanh()
+            return h * t
+        if op == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                t = F.linear(h.float(), getattr(self, f"p{i}_w").float())
+            return h + t.to(h.dtype)
+        if op == "train_branch":
+            return h * 1.5 + 0.1 if self.training else h - 0.2
+        raise AssertionError(f"unknown op {op}")
+
+
 def _out_shape(op: str, arg: Any, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
     shape = shapes[0]
     if op == "linear":
@@ -265,9 +399,12 @@ def _out_shape(op: str, arg: Any, shapes: list[tuple[int, ...]]) -> tuple[int, .
     return shape
 
 
-def _candidates(shape: tuple[int, ...], fresh_safe: bool, steps_left: int) -> list[str]:
+def _candidates(shape: tuple[int, ...], fresh_safe: bool, steps_left: int, faithful: bool = False) -> list[str]:
     """Ops that can follow a value of ``shape``."""
     nd = len(shape)
+    if faithful:
+        return [*FAITHFUL_OPS, *FAITHFUL_OPS, "linear", "relu_mod", "F.dropout", "dropout_mod", "add_const",
+                *(["bn"] if nd in (2, 3) else []), *(["conv", "bn"] if nd == 4 else [])]
     ops = ["relu_mod", "F.relu", "torch.relu", "method.relu", *_ACTS, "dropout_mod", "F.dropout", "linear",
            "F.linear", "ln", "F.layer_norm", "add_const", "scale_param", "se"]
     if fresh_safe:
@@ -292,10 +429,12 @@ def _candidates(shape: tuple[int, ...], fresh_safe: bool, steps_left: int) -> li
 
 
 @st.composite
-def model_specs(draw: Any, max_steps: int = 7, fusable: bool = False) -> ModelSpec:
+def model_specs(draw: Any, max_steps: int = 7, fusable: bool = False, faithful: bool = False) -> ModelSpec:
     """Random valid ``ModelSpec`` s: 1..max_steps ops over 2-d, 3-d or 4-d float inputs.
 
     ``fusable=True`` follows a conv or linear by a batch-norm half of the time (for ``Fuse``).
+    ``faithful=True`` draws mostly ``FAITHFUL_OPS`` (see the module docstring), a counter in the
+    root's forward now and then, and hooks on the root.
     """
     nd = draw(st.sampled_from([2, 3, 4]))
     batch = 2
@@ -315,7 +454,7 @@ def model_specs(draw: Any, max_steps: int = 7, fusable: bool = False) -> ModelSp
         binary = [j for j in range(len(shapes)) if j != src and len(shapes[j]) == len(shape)]
         same = [j for j in binary if shapes[j] == shape]
         catable = [j for j in binary if shapes[j][0] == shape[0] and shapes[j][2:] == shape[2:] and len(shape) > 1]
-        ops = _candidates(shape, fresh, 0)
+        ops = _candidates(shape, fresh, 0, faithful and draw(st.integers(0, 3)) > 0)
         ops += [o for o in ("linear", "conv") if o in ops]  # weight the layers transforms act on
         if src == last and producers[src] in ("conv", "F.conv", "linear") and "bn" in ops:
             ops += ["bn", "bn", "bn"]  # conv/linear -> batch-norm: what Fuse folds
@@ -375,7 +514,11 @@ def model_specs(draw: Any, max_steps: int = 7, fusable: bool = False) -> ModelSp
     if fmt == "nested" and len(outputs) < 2:
         fmt = "dict"
     seed = draw(st.integers(0, 2**16))
-    return ModelSpec(in_shape, dtype, steps, outputs, fmt, seed, shapes)
+    spec = ModelSpec(in_shape, dtype, steps, outputs, fmt, seed, shapes)
+    if faithful:
+        spec.root_counter = draw(st.integers(0, 5)) == 0
+        spec.root_hooks = tuple(draw(st.lists(st.sampled_from(["pre", "post", "log"]), max_size=2, unique=True)))
+    return spec
 
 
 def build(spec: ModelSpec, leaky: float | None = None) -> FuzzModel:
@@ -390,7 +533,26 @@ def build(spec: ModelSpec, leaky: float | None = None) -> FuzzModel:
                     m.running_var.uniform_(0.5, 2.0)
                     m.weight.normal_(1, 0.3)
                     m.bias.normal_(0, 0.3)
+        log = model.hook_log
+        for kind in spec.root_hooks:
+            if kind == "pre":
+                model.register_forward_pre_hook(lambda m, args: (args[0] * 0.75,))
+            elif kind == "post":
+                model.register_forward_hook(lambda m, args, out: _scaled(out, 2.0))
+            else:
+                model.register_forward_hook(lambda m, args, out: log.append(1))
         return model
+
+
+def _scaled(out: Any, k: float) -> Any:
+    """Every floating tensor in a (nested) output times ``k`` (a hook that changes the numbers)."""
+    if isinstance(out, Tensor):
+        return out * k if out.is_floating_point() else out
+    if isinstance(out, dict):
+        return {key: _scaled(v, k) for key, v in out.items()}
+    if isinstance(out, tuple):
+        return tuple(_scaled(v, k) for v in out)
+    return out
 
 
 def flat_tensors(out: Any) -> list[Tensor]:

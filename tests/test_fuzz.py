@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import fxdebug
 from fxdebug.passes import DeviceCheck, Fuse, NaNCheck, PruneMasks, ShapeAssert, StatCollector, SwapActivation
-from fuzz_models import RELU_FORMS, ModelSpec, build, flat_tensors, model_specs
+from fuzz_models import FAITHFUL_OPS, RELU_FORMS, ModelSpec, build, flat_tensors, model_specs
 
 _DEFAULT = 500 if os.environ.get("FXDEBUG_SLOW") else 12
 EXAMPLES = int(os.environ.get("FXDEBUG_FUZZ_EXAMPLES", _DEFAULT))
@@ -80,12 +80,15 @@ def snapshot(model: nn.Module) -> dict[str, Any]:
         "requires_grad": {k: p.requires_grad for k, p in model.named_parameters()},
         "grads": {k: None if p.grad is None else p.grad.clone() for k, p in model.named_parameters()},
         "dict_keys": sorted(model.__dict__),
+        "plain": [{k: v for k, v in vars(m).items() if isinstance(v, (bool, int, float, str)) and k != "training"}
+                  for m in model.modules()],  # Python counters (self.calls) included
     }
 
 
 def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["ids"] == b["ids"] and a["modules"] == b["modules"] and a["children"] == b["children"]
     assert a["requires_grad"] == b["requires_grad"] and a["dict_keys"] == b["dict_keys"]
+    assert a["plain"] == b["plain"], "a Python attribute of the model changed"
     for k, v in a["state"].items():
         assert v.dtype == b["state"][k].dtype and torch.equal(v, b["state"][k]), f"state '{k}' changed"
     for k, g in a["grads"].items():
@@ -203,6 +206,51 @@ def test_instrumenting_twice_composes(spec: ModelSpec) -> None:
     with torch.no_grad():
         assert_outputs_equal(twice(x), model(x))
     assert twice.report().calls == 1 and once.report().calls == 0
+
+
+# -- faithful in both modes, whatever the forward does ----------------------------------------------
+def _counters(model: nn.Module) -> list[Any]:
+    return [m.__dict__.get("calls") for m in model.modules()]
+
+
+@FUZZ
+@given(spec=model_specs(faithful=True), first=st.booleans(),
+       frontend=st.sampled_from(["auto", "auto", "symbolic", "export", "subtrees"]))
+def test_instrumented_equals_the_model_in_both_modes(spec: ModelSpec, first: bool, frontend: str) -> None:
+    """Custom autograd.Functions, grad-mode/autocast regions, training branches, buffer reassignment,
+    Python counters and hooks: outputs, every gradient and buffers equal the model's in both modes,
+    switched after instrumenting, and instrument() leaves the model exactly as it was. A frontend
+    that cannot capture a construct faithfully refuses with a TraceError (then "auto" is used)."""
+    STATS["faithful_models"] += 1
+    STATS.update(f"faithful-op:{op}" for op in spec.ops() if op in FAITHFUL_OPS)
+    STATS.update(f"root:{h}" for h in spec.root_hooks + (("counter",) if spec.root_counter else ()))
+    model = build(spec).train(first)
+    x = spec.example()
+    ref = copy.deepcopy(model)
+    before = snapshot(model)
+    rng = torch.get_rng_state()
+    try:
+        dbg = fxdebug.instrument(model, passes=observe_passes(), example_inputs=(x,), frontend=frontend)
+    except fxdebug.TraceError as exc:
+        assert frontend in ("symbolic", "export"), f"{frontend} refused: {exc}"
+        assert_same_state(before, snapshot(model))
+        STATS[f"refused:{frontend}"] += 1
+        dbg = fxdebug.instrument(model, passes=observe_passes(), example_inputs=(x,))
+    assert torch.equal(torch.get_rng_state(), rng), "instrument() consumed the global RNG"
+    assert_same_state(before, snapshot(model))
+    STATS[f"frontend:{dbg.trace_info.frontend}"] += 1
+    for k, mode in enumerate((first, not first, first)):
+        dbg.train(mode)  # the instrumented module alone is switched; the model's root flag follows for the check
+        model.training = mode
+        ref.train(mode)
+        out_ref, gx_ref = run_step(ref, x, spec.seed + k)
+        logged = len(model.hook_log)
+        out, gx = run_step(dbg, x, spec.seed + k)
+        assert len(model.hook_log) == logged + ("log" in spec.root_hooks), "the root's hook did not run once"
+        assert_outputs_equal(out, out_ref)
+        assert (gx is None and gx_ref is None) or torch.equal(gx, gx_ref)
+        assert_same_values(model, ref)
+        assert _counters(model) == _counters(ref)
 
 
 # -- transform passes: exact where the change is meant to be exact ---------------------------------
