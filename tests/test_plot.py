@@ -1,0 +1,77 @@
+"""``fxdebug.plot.gradient_flow`` / ``activations``: the files and the data they draw."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxdebug
+from fxdebug.findings import FindingRules
+from fxdebug.passes import ParamGrads, StatCollector
+from zoo import ZOO
+
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def report():
+    model, (x,) = ZOO["residual_cnn"]()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(2)]
+    dbg = fxdebug.instrument(model, [StatCollector(grads=True), ParamGrads()], example_inputs=(x,))
+    return fxdebug.collect(dbg, batches, loss_fn=lambda out, b: F.cross_entropy(out, b[1]), progress=False)
+
+
+def test_gradient_flow_png_draws_the_report_numbers(report, tmp_path):
+    plot = fxdebug.plot.gradient_flow(report, tmp_path / "flow.png")
+    data = (tmp_path / "flow.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    modules = [r for r in report.rows if r.get("param_grad_max_abs") is not None]
+    assert plot.nodes == [r["node"] for r in modules]  # execution order, one bar pair per module with parameters
+    assert plot.series["max_abs"] == [r["param_grad_max_abs"] for r in modules]
+    ax = plot.figure.axes[0]
+    bars = [p.get_height() for p in ax.patches]
+    assert bars[: len(modules)] == pytest.approx(plot.series["max_abs"])  # max bars, then mean bars
+    assert bars[len(modules): 2 * len(modules)] == pytest.approx(plot.series["mean_abs"])
+    assert ax.get_yscale() == "log"
+    assert plot.bands["vanishing"][1] == FindingRules.vanishing and plot.bands["exploding"][0] == FindingRules.exploding
+    assert [t.get_text() for t in ax.get_xticklabels()][0] == "stem.0"  # node stem_0: the module says it all
+
+
+def test_gradient_flow_svg_of_activation_gradients_and_custom_bands(tmp_path):
+    model, (x,) = ZOO["transformer_block"]()
+    dbg = fxdebug.instrument(model, [StatCollector(grads=True)], example_inputs=(x,))
+    report = fxdebug.collect(dbg, [x, x], loss_fn=lambda out, b: out.pow(2).mean(), progress=False)
+    plot = fxdebug.plot.gradient_flow(report, tmp_path / "flow.svg", vanishing=1e-4, exploding=10.0)
+    text = (tmp_path / "flow.svg").read_text()
+    assert text.lstrip().startswith("<?xml") and "<svg" in text and "vanishing (&lt; 1e-04)" in text
+    assert "gradients of node outputs" in plot.title
+    row = report.row(plot.nodes[0])
+    assert plot.series["max_abs"][0] == max(abs(row["grad_min"]), abs(row["grad_max"]))
+
+
+def test_activations_plot_ranges_and_dead_fractions(report, tmp_path):
+    plot = fxdebug.plot.activations(report, tmp_path / "acts.svg")
+    assert (tmp_path / "acts.svg").read_text().count("<svg") == 1
+    rows = [r for r in report.rows if r.get("min") is not None]
+    assert plot.series["min"] == [r["min"] for r in rows] and plot.series["max"] == [r["max"] for r in rows]
+    dead = dict(zip(plot.nodes, plot.series["dead_frac"]))
+    assert dead["layer1_0_relu"] == report.row("layer1_0_relu")["dead_frac"] and dead["layer1_0_conv1"] is None
+    assert plot.labels[plot.nodes.index("relu")] == "layer1.0 (relu)"  # a functional op: module and node
+    ax, ax2 = plot.figure.axes
+    assert len(ax2.patches) == sum(d is not None for d in plot.series["dead_frac"])
+    segments = ax.collections[0].get_segments()  # the min..max lines
+    assert [tuple(s[:, 1]) for s in segments] == [(r["min"], r["max"]) for r in rows]
+
+
+def test_plots_say_what_is_missing(tmp_path):
+    model, (x,) = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+    report = fxdebug.collect(dbg, [x], progress=False)
+    with pytest.raises(fxdebug.UsageError, match="ParamGrads"):
+        fxdebug.plot.gradient_flow(report, tmp_path / "g.png")
+    with pytest.raises(fxdebug.UsageError, match="suffix"):
+        fxdebug.plot.activations(report, tmp_path / "a.jpeg")
+    with pytest.raises(AttributeError, match="available"):
+        fxdebug.plot.histogram  # noqa: B018
