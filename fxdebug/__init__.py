@@ -10,6 +10,12 @@ statistics, devices) or transform it, read a per-node report, and draw the annot
     y = dbg(x)
     print(dbg.report())
     dbg.render("model.svg")
+
+Two public surfaces: ``fxdebug`` (this module; ``__all__`` is the user API, pinned by
+tests/test_public_api.py) and ``fxdebug.authoring`` (the pass-author API: probes, columns, node
+metadata, selection, rewriting). Built-in passes live in ``fxdebug.passes``; ``fxdebug.plot``,
+``fxdebug.numerics`` and ``fxdebug.when`` are public subpackages. Every other module is private
+implementation. Pass-author names are still attributes here for older code.
 """
 
 from .collect import collect
@@ -30,6 +36,7 @@ from .errors import (
 from .gradcheck import GradcheckResult, gradcheck
 from . import when
 from .graph_nx import to_networkx
+from . import authoring
 from .api import instrument, render, trace
 from .instrumented import Instrumented
 from . import numerics
@@ -50,76 +57,38 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentTypeError",
-    "COLOR",
-    "Column",
     "DeviceMismatchError",
-    "FusedProbe",
-    "FusedStats",
     "FxDebugError",
     "GradcheckResult",
-    "HIDDEN",
     "InplaceError",
     "Inputs",
     "Instrumented",
     "LeafInfo",
-    "Match",
     "MissingInputsError",
-    "NONFINITE",
     "NonFiniteError",
-    "ORIGIN",
-    "ObservationContext",
-    "Observer",
     "Pass",
     "PassContext",
     "PassError",
     "PassManager",
     "PassResult",
-    "Probe",
-    "Reductions",
-    "Replacement",
     "Report",
-    "SAMPLE",
     "Sensitivity",
     "ShapeMismatchError",
-    "TensorSpec",
     "TraceError",
     "TraceInfo",
     "UsageError",
-    "VALUE",
-    "Where",
+    "authoring",
     "collect",
-    "describe",
     "diff",
-    "find_pattern",
-    "fx_meta",
-    "get_module",
     "gradcheck",
     "graph_pass",
     "instrument",
-    "is_batchnorm",
-    "is_conv",
-    "is_inplace",
-    "is_instrumentation",
-    "is_kind",
-    "is_linear",
-    "is_relu",
-    "is_view",
-    "keep_state",
-    "matches",
-    "module_path",
-    "module_type",
     "node_pass",
-    "node_values",
-    "op_label",
     "outputs_of",
     "plot",
     "precision_plan",
-    "register_kind",
     "render",
-    "replace_pattern",
     "sensitivity",
-    "source_line",
-    "systematic_sample",
     "to_networkx",
     "trace",
     "when",

@@ -22,7 +22,8 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import ObservationContext, Observer, PassContext, PassResult, Probe, Reductions, UsageError
+from fxdebug import UsageError
+from fxdebug.authoring import ObservationContext, Observer, PassContext, PassResult, Probe, Reductions, Where
 
 __all__ = ["Capture"]
 
@@ -48,23 +49,29 @@ class Capture(fxdebug.Pass):
     """Keep the last activation (and with ``grads=True`` gradient) of the chosen nodes.
 
     Args:
-        nodes: node names, module paths (their output node) or globs over node names.
+        nodes: node names, module paths (their output node) or globs over node names; ``None``
+            keeps every tensor-valued node ``where=`` selects.
         grads: also keep the gradient w.r.t. each chosen node's output.
+        where: as for every pass: ``nodes`` are looked up only among the nodes it selects.
         clone: ``None`` clones only where an in-place op follows the node; True / False force it.
     """
 
     name = "capture"
     observe_only = True
 
-    def __init__(self, nodes: str | Sequence[str], grads: bool = False, *, clone: bool | None = None) -> None:
-        super().__init__(where=None)
-        self.nodes = [nodes] if isinstance(nodes, str) else list(nodes)
+    def __init__(self, nodes: str | Sequence[str] | None = None, grads: bool = False, *, where: Where = None,
+                 clone: bool | None = None) -> None:
+        super().__init__(where=where)
+        if nodes is None and where is None:
+            raise UsageError("Capture needs the nodes to keep: Capture(['layer4']) (names, module paths or globs), "
+                             "or Capture(where='layer4.*') for every node that where= selects.")
+        self.nodes = ["*"] if nodes is None else [nodes] if isinstance(nodes, str) else list(nodes)
         self.grads, self.clone = grads, clone
         self._observers: dict[str, tuple[str, Observer]] = {}
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         own = ctx.nodes(gm, tensor_outputs=True, ops=("placeholder", "call_module", "call_function", "call_method"))
-        added = []
+        added: list[Node | None] = []
         self._observers = {}
         for request in self.nodes:
             hits = _select(own, request)
@@ -73,9 +80,7 @@ class Capture(fxdebug.Pass):
                 raise UsageError(f"Capture: {request!r} matches no tensor-valued node or module; nodes include {known}.")
             for node in hits:
                 clone = self.clone if self.clone is not None else _written_later(gm, node)
-                obs_node = ctx.observe(node, CaptureProbe(grads=self.grads, clone=clone))
-                if obs_node is not None:
-                    added.append(obs_node)
+                added.append(ctx.observe(node, CaptureProbe(grads=self.grads, clone=clone)))
                 key = node.name if any(c in request for c in "*?[") else request
                 self._observers[key] = (node.name, _observer_of(gm, node))
         return PassResult(gm, added=added)

@@ -18,8 +18,20 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import DeviceMismatchError, PassContext, PassResult
+from fxdebug import DeviceMismatchError
+from fxdebug.authoring import (
+    INSTRUMENTATION,
+    Pass,
+    PassContext,
+    PassResult,
+    describe,
+    get_module,
+    is_instrumentation,
+    module_path,
+    node_meta,
+    op_label,
+    source_line,
+)
 
 __all__ = ["DeviceCheck", "check_devices"]
 
@@ -84,7 +96,7 @@ def _error(info: tuple[str, str, str, str, str, tuple[str, ...]], module: nn.Mod
                                node=node, module=path, op=op)
 
 
-class DeviceCheck(fxdebug.Pass):
+class DeviceCheck(Pass):
     """Guard every op that could mix devices; see the module docstring.
 
     Args:
@@ -97,30 +109,24 @@ class DeviceCheck(fxdebug.Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
         for node in ctx.nodes(gm, self.where):
-            module = fxdebug.get_module(gm, node)
+            module = get_module(gm, node)
             has_state = module is not None and any(True for _ in _module_tensors(module))
-            tensors = [a for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)
+            tensors = [a for a in node.all_input_nodes if not is_instrumentation(a)
                        and ctx.tensor_spec(a) is not None]
             if len(tensors) + (1 if has_state else 0) < 2:
                 continue
-            added.extend(self._guard(gm, node, tensors, has_state))
+            added.extend(self._guard(ctx, node, tensors, has_state))
         return PassResult(gm, added=added)
 
     @staticmethod
-    def _guard(gm: GraphModule, node: Node, tensors: list[Node], has_state: bool) -> list[Node]:
-        info = (fxdebug.describe(node), node.name, fxdebug.module_path(node), fxdebug.op_label(node),
-                fxdebug.source_line(node) or "", tuple(a.name for a in tensors))
-        new: list[Node] = []
-        with gm.graph.inserting_before(node):
-            owner = gm.graph.get_attr(str(node.target)) if has_state else None
-            guard = gm.graph.call_function(check_devices, (info, owner, *tensors))
-        for n in (owner, guard):
-            if n is None:
-                continue
-            meta = fxdebug.fx_meta(n)
-            meta["role"], meta["observes"], meta["module"] = "instrumentation", node.name, fxdebug.module_path(node)
-            meta["probes"] = ["device-check"]
-            if "stack_trace" in node.meta:
-                n.meta["stack_trace"] = node.meta["stack_trace"]
-            new.append(n)
+    def _guard(ctx: PassContext, node: Node, tensors: list[Node], has_state: bool) -> list[Node]:
+        info = (describe(node), node.name, module_path(node), op_label(node), source_line(node) or "",
+                tuple(a.name for a in tensors))
+        owner = ctx.insert_before(node, str(node.target)) if has_state else None
+        guard = ctx.insert_before(node, check_devices, (info, owner, *tensors))
+        new = [n for n in (owner, guard) if n is not None]
+        for n in new:
+            meta = node_meta(n)
+            meta.watch(INSTRUMENTATION, observes=node)
+            meta.add_probe("device-check")
         return new

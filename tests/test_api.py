@@ -1,72 +1,145 @@
-"""The public surface is deliberate: a pinned, sorted __all__ and clean package boundaries."""
+"""The entry points and the pass pipeline: one capture type, parts, requires, where, provenance."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import pickle
+
+import pytest
+import torch
 
 import fxdebug
-import fxdebug.passes
-
-ROOT = Path(__file__).resolve().parent.parent
-
-DESIGN_NAMES = {
-    "trace", "instrument", "Instrumented", "Report", "Pass", "PassContext", "PassResult", "PassManager",
-    "FxDebugError", "TraceError", "PassError", "ShapeMismatchError", "NonFiniteError", "DeviceMismatchError",
-}
-DESIGN_PASSES = {"ShapeAssert", "NaNCheck", "StatCollector", "DeviceCheck", "Capture", "SwapActivation", "Fuse", "PruneMasks"}
+from fxdebug.api import FRONTENDS
+from fxdebug.authoring import INSTRUMENTATION, GraphRecord, graph_pass, node_meta
+from fxdebug.frontends.base import TraceOptions
+from fxdebug.passes import NaNCheck, StatCollector
+from zoo import ZOO
+from test_subtrees import Detector, _images
 
 
-def test_all_is_sorted_and_resolves():
-    assert fxdebug.__all__ == sorted(fxdebug.__all__)
-    assert DESIGN_NAMES <= set(fxdebug.__all__)
-    for name in fxdebug.__all__:
-        assert getattr(fxdebug, name) is not None
+def test_every_frontend_returns_an_instrumented_module_with_parts():
+    model, (x,) = ZOO["transformer_block"]()
+    model.eval()  # dropout off: the captures must compute exactly what the model computes
+    for name, frontend in FRONTENDS.items():
+        gm = frontend.capture(model, ((x,), {}), TraceOptions())
+        assert isinstance(gm, fxdebug.Instrumented) and gm.trace_info.frontend == name
+        parts = gm.parts()
+        assert parts and all(isinstance(p, fxdebug.Instrumented) for p in parts.values())
+        if name != "subtrees":
+            assert parts == {"": gm}
+        torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
 
 
-def test_passes_namespace_names_the_design_passes():
-    assert set(fxdebug.passes.__all__) == DESIGN_PASSES
+def test_subtrees_parts_share_one_pipeline_and_one_report():
+    model, images = Detector().eval(), _images()
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(images,), frontend="subtrees")
+    parts = dbg.parts()
+    assert len(parts) > 1 and "" not in parts
+    dbg(images)
+    report = dbg.report()
+    # every part ran the passes (its own pass results) and its rows read "path/node"
+    for path, part in parts.items():
+        assert [r.pass_name for r in part.pass_results] == ["nan-check", "stat-collector"]
+        own = part.report()
+        assert [f"{path}/{r['node']}" for r in own.rows] == [r["node"] for r in report.rows if r["node"].startswith(path + "/")]
+    assert set(dbg.observers()) == {r["node"] for r in report.rows}
+    assert report.frontend == "subtrees" and report.calls == max(p.report().calls for p in parts.values()) > 0
+    dbg.reset()
+    assert dbg.report().calls == 0
 
 
-def test_error_hierarchy_also_inherits_builtins():
-    assert issubclass(fxdebug.ShapeMismatchError, ValueError)
-    assert issubclass(fxdebug.TraceError, RuntimeError)
-    assert issubclass(fxdebug.NonFiniteError, FloatingPointError)
-    for name in ("TraceError", "PassError", "ShapeMismatchError", "NonFiniteError", "DeviceMismatchError", "UsageError"):
-        assert issubclass(getattr(fxdebug, name), fxdebug.FxDebugError)
-    err = fxdebug.ShapeMismatchError("x", node="fc1", module="fc1")
-    assert (err.node, err.module) == ("fc1", "fc1")
+def test_requires_is_checked_before_the_pass_runs():
+    ran = []
+
+    @graph_pass(name="needs-shapes", requires=("shapes",))
+    def needs_shapes(gm, ctx):
+        ran.append(gm)
+
+    model, (x,) = ZOO["residual_cnn"]()
+    with pytest.raises(fxdebug.MissingInputsError, match="pass 'needs-shapes' requires example inputs") as info:
+        fxdebug.instrument(model, [needs_shapes])
+    assert info.value.pass_name == "needs-shapes" and not ran
+    fxdebug.instrument(model, [needs_shapes], example_inputs=(x,))
+    assert len(ran) == 1
+
+    @graph_pass(name="typo", requires=("shapez",))
+    def typo(gm, ctx):
+        ran.append(gm)
+
+    with pytest.raises(fxdebug.UsageError, match="requires 'shapez'.*requirements are example_inputs, prior_report, shapes"):
+        fxdebug.instrument(model, [typo], example_inputs=(x,))
+    assert len(ran) == 1
 
 
-def _imports(path: Path) -> list[tuple[str, int, list[str]]]:
-    tree = ast.parse(path.read_text())
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            found.append((node.module or "", node.level, [a.name for a in node.names]))
-        elif isinstance(node, ast.Import):
-            found.extend((a.name, 0, []) for a in node.names)
-    return found
+def test_where_reaches_the_context_one_way_and_only_narrows():
+    seen = {}
+
+    @graph_pass(name="select")
+    def select(gm, ctx):
+        seen["default"] = {n.name for n in ctx.nodes(gm)}
+        seen["none"] = {n.name for n in ctx.nodes(gm, None)}
+        seen["narrow"] = {n.name for n in ctx.nodes(gm, "*conv1*")}
+        seen["other"] = {n.name for n in ctx.nodes(gm, "layer2")}
+
+    model, (x,) = ZOO["residual_cnn"]()
+    fxdebug.instrument(model, [select(where="layer1")], example_inputs=(x,))
+    traced = fxdebug.trace(model).graph.nodes
+    layer1 = {n.name for n in traced if n.op.startswith("call_") and fxdebug.authoring.module_path(n).startswith("layer1.")}
+    assert len(layer1) > 8
+    assert seen["default"] == seen["none"] == layer1
+    assert seen["narrow"] == {n for n in layer1 if "conv1" in n} and seen["narrow"]
+    assert seen["other"] == set()  # an explicit where never widens the pass's own
 
 
-def test_passes_use_only_public_fxdebug_names():
-    public = set(fxdebug.__all__)
-    for path in sorted((ROOT / "passes").glob("*.py")):
-        for module, level, names in _imports(path):
-            if level > 0:
-                continue  # sibling pass modules
-            if module == "fxdebug":
-                assert set(names) <= public, f"{path.name} imports private names {set(names) - public}"
-            else:
-                assert not module.startswith("fxdebug.") or module.startswith("fxdebug.passes"), \
-                    f"{path.name} imports {module}; use the public names of fxdebug"
+def test_insert_before_and_after_record_provenance_and_leave_torch_meta_alone():
+    def check(t):
+        return None
+
+    @graph_pass(name="bracket", observe_only=True)
+    def bracket(gm, ctx):
+        added = []
+        for node in ctx.nodes(gm, "stem.0"):
+            before = ctx.insert_before(node, check, (node.args[0],))
+            after = ctx.insert_after(node, torch.relu, rewire=True)
+            node_meta(before).watch(INSTRUMENTATION, observes=node)
+            added += [before, after]
+        return fxdebug.PassResult(gm, added=added)
+
+    model, (x,) = ZOO["residual_cnn"]()
+    torch_keys = {n.name: set(n.meta) - {"fxdebug"} for n in fxdebug.trace(model).graph.nodes}
+    dbg = fxdebug.instrument(model, [bracket], example_inputs=(x,))
+    order = [n.name for n in dbg.graph.nodes]
+    before = next(n for n in dbg.graph.nodes if n.target is check)
+    after = next(n for n in dbg.graph.nodes if n.target is torch.relu)
+    assert order.index(before.name) < order.index("stem_0") < order.index(after.name)
+    for n in (before, after):
+        meta = node_meta(n)
+        assert meta.added_by == "bracket" and meta.module == "stem.0"
+        assert set(n.meta) - {"fxdebug"} <= {"val", "tensor_meta"}  # no torch key written by fxdebug
+    for n in dbg.graph.nodes:
+        if n.name in torch_keys:
+            assert set(n.meta) - {"fxdebug"} == torch_keys[n.name]
+    assert dbg.pass_results[0].added == [before.name, after.name]
 
 
-def test_core_never_imports_passes_at_module_level():
-    for path in sorted((ROOT / "fxdebug").rglob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in tree.body:  # module level only; the CLI/demo may import passes inside functions
-            if isinstance(node, ast.ImportFrom):
-                assert "passes" not in (node.module or "").split("."), f"{path} imports passes at module level"
-            if isinstance(node, ast.Import):
-                assert not any("passes" in a.name.split(".") for a in node.names), path
+def test_graph_record_is_typed_and_survives_copy_and_pickle():
+    model, (x,) = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(x,))
+    record = dbg.meta["fxdebug"]
+    assert isinstance(record, GraphRecord) and record.model_type == "ResidualCNN"
+    assert record.trace is dbg.trace_info and [r.pass_name for r in record.passes] == ["nan-check"]
+    assert record.get("model_type") == "ResidualCNN" and record.instrument_seconds > 0
+    again = pickle.loads(pickle.dumps(dbg))
+    assert again.meta["fxdebug"].model_type == "ResidualCNN"
+    assert [r.pass_name for r in fxdebug.trace(dbg).pass_results] == ["nan-check"]
+
+
+def test_errors_have_one_class_per_meaning():
+    model, (x,) = ZOO["residual_cnn"]()
+    with pytest.raises(TypeError):
+        fxdebug.instrument(type(model))  # a class, not an instance
+    with pytest.raises(ValueError, match="frontend='nope'") as info:
+        fxdebug.trace(model, (x,), frontend="nope")
+    assert isinstance(info.value, fxdebug.UsageError) and not isinstance(info.value, TypeError)
+    for call in (lambda: fxdebug.trace(model, frontend="export"), lambda: fxdebug.trace(model, frontend="subtrees")):
+        with pytest.raises(fxdebug.MissingInputsError):
+            call()

@@ -65,7 +65,8 @@ def test_capture_by_node_name_glob_and_last_call_only():
     torch.testing.assert_close(cap["relu"], F.relu(model.conv(x2)))
     assert cap["cat"].shape == (2, 8, 8, 8)
     assert set(cap.activations) == {"conv", "relu", "cat"}
-    assert cap.grad("conv") is None
+    with pytest.raises(fxdebug.UsageError, match="grads=True"):
+        cap.grad("conv")
     assert dbg.report()["conv"]["captured"] == (2, 8, 8, 8)
     dbg.reset()
     assert cap["conv"] is None
@@ -84,3 +85,20 @@ def test_unknown_name_is_a_usage_error():
     model, (x,) = ZOO["functional_ops"]()
     with pytest.raises(fxdebug.UsageError, match="'nope' matches no tensor-valued node"):
         fxdebug.instrument(model, [Capture("nope")], example_inputs=(x,))
+
+
+def test_where_limits_the_nodes_a_capture_may_match():
+    model, (x,) = ZOO["residual_cnn"]()
+    everything_in_layer1 = Capture(where="layer1")
+    stem_only = Capture(["stem.2", "*_0"], where="stem")
+    dbg = fxdebug.instrument(model, [everything_in_layer1, stem_only], example_inputs=(x,))
+    dbg(x)
+    by_name = {n.name: n for n in dbg.graph.nodes}
+    layer1 = list(everything_in_layer1.activations)
+    assert len(layer1) > 10 and all(fxdebug.authoring.module_path(by_name[n]).startswith("layer1.") for n in layer1)
+    # "*_0" alone would also match layer2_0_downsample_0; where="stem" keeps the stem's conv
+    assert set(stem_only.activations) == {"stem.2", "stem_0"}
+    torch.testing.assert_close(stem_only["stem.2"], model.stem(x))
+    torch.testing.assert_close(everything_in_layer1[layer1[-1]], model.layer1(model.stem(x)))
+    with pytest.raises(fxdebug.UsageError, match="where="):
+        Capture()

@@ -75,3 +75,22 @@ def test_cuda_model_cpu_input():
     dbg = fxdebug.instrument(model.cuda(), [DeviceCheck()], example_inputs=tuple(t.cuda() for t in inputs))
     with pytest.raises(fxdebug.DeviceMismatchError, match=r"input 'x' \(2, 3, 16, 16\) on cpu.*on cuda:0"):
         dbg(*inputs)
+
+
+def test_guards_are_inserted_before_their_op_with_provenance():
+    model, inputs = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [DeviceCheck()], example_inputs=inputs)
+    order = {n: i for i, n in enumerate(dbg.graph.nodes)}
+    guards = [n for n in dbg.graph.nodes if "device-check" in fxdebug.authoring.node_meta(n).probes]
+    assert guards
+    for g in guards:
+        meta = fxdebug.authoring.node_meta(g)
+        watched = next(n for n in dbg.graph.nodes if n.name == meta.observes)
+        assert order[g] < order[watched]
+        assert meta.role == fxdebug.authoring.INSTRUMENTATION and meta.added_by == "device-check"
+        assert meta.module == fxdebug.authoring.module_path(watched)
+        assert "stack_trace" not in g.meta  # fxdebug writes only under its own key
+    # the conv of the stem is guarded by its parameters' owner (get_attr) and the check itself
+    stem = [g for g in guards if fxdebug.authoring.node_meta(g).observes == "stem_0"]
+    assert sorted(g.op for g in stem) == ["call_function", "get_attr"]
+    torch.testing.assert_close(dbg(*inputs), model(*inputs))

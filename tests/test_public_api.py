@@ -1,0 +1,156 @@
+"""The public surface is deliberate: two pinned, sorted ``__all__`` lists and clean boundaries.
+
+``fxdebug.__all__`` is the user API; ``fxdebug.authoring.__all__`` the pass-author API. Adding a
+public name means adding it here (and to DESIGN.md's table when it is a promise); names DESIGN.md
+already promises may appear before they are pinned. The import graph of ``fxdebug/`` has no cycle,
+counting imports inside functions too (so none can hide one).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+import fxdebug
+import fxdebug.authoring
+import fxdebug.passes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+USER_API = {
+    "ArgumentTypeError", "DeviceMismatchError", "DistributedError", "FxDebugError", "GradcheckResult", "InplaceError", "Inputs",
+    "Instrumented", "LeafInfo", "MissingInputsError", "NonFiniteError", "Pass", "PassContext", "PassError",
+    "PassManager", "PassResult", "Report", "Sensitivity", "ShapeMismatchError", "TraceError", "TraceInfo",
+    "UsageError", "Verification", "VerificationError", "authoring", "collect", "gradcheck", "graph_pass",
+    "instrument", "node_pass", "numerics", "outputs_of", "plot", "precision_plan", "render", "sensitivity", "to_networkx",
+    "trace", "when",
+}
+# Promised by DESIGN.md's tables; they may land in fxdebug.__all__ before being pinned above.
+DESIGN_PROMISED = {"verify", "collect", "sensitivity", "precision_plan", "diff", "repro", "gradcheck", "InplaceError",
+                   "numerics", "plot", "when"}
+DESIGN_NAMES = {
+    "trace", "instrument", "render", "Instrumented", "Report", "Pass", "PassContext", "PassResult", "PassManager",
+    "FxDebugError", "TraceError", "PassError", "ShapeMismatchError", "NonFiniteError", "DeviceMismatchError",
+    "outputs_of",
+}
+AUTHORING_API = {
+    "CLOCK", "COLOR", "Column", "FusedProbe", "FusedStats", "GUARD", "GraphRecord", "HIDDEN", "INSTRUMENTATION",
+    "KNOWN_REQUIREMENTS", "Match", "NONFINITE", "NodeMeta", "ORIGIN", "ObservationContext", "Observer", "Pass",
+    "PassContext", "PassManager", "PassResult", "Probe", "Reductions", "Replacement", "SAMPLE", "TensorSpec",
+    "VALUE", "Where", "describe", "find_pattern", "fx_meta", "get_module", "graph_pass", "graph_record",
+    "is_batchnorm", "is_conv", "is_inplace", "is_instrumentation", "is_kind", "is_linear", "is_relu", "is_view",
+    "keep_state", "matches", "module_path", "module_type", "node_meta", "node_pass", "node_values", "op_label",
+    "outputs_of", "register_kind", "replace_pattern", "source_line", "systematic_sample",
+}
+DESIGN_PASSES = {"ShapeAssert", "NaNCheck", "StatCollector", "DeviceCheck", "Capture", "SwapActivation", "Fuse", "PruneMasks"}
+PUBLIC_SUBPACKAGES = {"fxdebug", "fxdebug.authoring", "fxdebug.passes", "fxdebug.plot", "fxdebug.numerics", "fxdebug.when"}
+
+
+def test_user_api_is_sorted_pinned_and_keeps_the_design_names():
+    names = fxdebug.__all__
+    assert names == sorted(names)
+    assert len(names) == len(set(names))
+    unpinned = set(names) - USER_API - DESIGN_PROMISED
+    assert not unpinned, f"new public names {sorted(unpinned)}: pin them in USER_API (tests/test_public_api.py)"
+    assert not USER_API - set(names), f"pinned names missing from fxdebug.__all__: {sorted(USER_API - set(names))}"
+    assert DESIGN_NAMES <= set(names)
+    for name in names:
+        assert getattr(fxdebug, name) is not None
+
+
+def test_authoring_api_is_sorted_and_pinned():
+    names = fxdebug.authoring.__all__
+    assert names == sorted(names) and len(names) == len(set(names))
+    assert set(names) == AUTHORING_API
+    for name in names:
+        assert getattr(fxdebug.authoring, name) is getattr(fxdebug, name, getattr(fxdebug.authoring, name))
+    # the user API and the authoring API share only what a user needs to write a pass at all
+    assert set(fxdebug.__all__) & set(names) == {"Pass", "PassContext", "PassManager", "PassResult",
+                                                 "graph_pass", "node_pass", "outputs_of"}
+
+
+def test_passes_namespace_is_sorted_and_names_the_design_passes():
+    assert fxdebug.passes.__all__ == sorted(fxdebug.passes.__all__)
+    assert DESIGN_PASSES <= set(fxdebug.passes.__all__)
+
+
+def test_error_hierarchy_one_class_per_meaning():
+    assert issubclass(fxdebug.ShapeMismatchError, ValueError)
+    assert issubclass(fxdebug.TraceError, RuntimeError)
+    assert issubclass(fxdebug.NonFiniteError, FloatingPointError)
+    assert issubclass(fxdebug.UsageError, ValueError) and not issubclass(fxdebug.UsageError, TypeError)
+    assert issubclass(fxdebug.ArgumentTypeError, TypeError) and issubclass(fxdebug.ArgumentTypeError, fxdebug.UsageError)
+    assert issubclass(fxdebug.MissingInputsError, fxdebug.UsageError)
+    for name in ("TraceError", "PassError", "ShapeMismatchError", "NonFiniteError", "DeviceMismatchError", "UsageError",
+                 "ArgumentTypeError", "MissingInputsError"):
+        assert issubclass(getattr(fxdebug, name), fxdebug.FxDebugError)
+    err = fxdebug.ShapeMismatchError("x", node="fc1", module="fc1")
+    assert (err.node, err.module) == ("fc1", "fc1")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, list[str]]]:
+    """Every import in ``path`` (module level and inside functions), as absolute module names."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                target = node.module or ""
+            found.append((target, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+    return found
+
+
+def _core_modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((ROOT / "fxdebug").rglob("*.py"))}
+
+
+def test_import_graph_of_fxdebug_has_no_cycle():
+    modules = _core_modules()
+    graph = nx.DiGraph()
+    graph.add_nodes_from(modules)
+    for name, path in modules.items():
+        for target, names in _imports(path, name):
+            submodules = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            for dep in submodules or ([target] if target in modules else []):
+                if dep != name:
+                    graph.add_edge(name, dep)
+    cycles = list(nx.simple_cycles(graph))
+    assert not cycles, f"import cycles in fxdebug/ (imports inside functions count): {cycles[:5]}"
+
+
+def test_passes_use_only_public_fxdebug_names():
+    public = set(fxdebug.__all__)
+    authoring = set(fxdebug.authoring.__all__)
+    for path in sorted((ROOT / "passes").glob("*.py")):
+        for module, names in _imports(path, f"fxdebug.passes.{path.stem}"):
+            if module.startswith("fxdebug.passes"):
+                continue  # sibling pass modules
+            if module == "fxdebug":
+                assert set(names) <= public | authoring, f"{path.name} imports private names {set(names) - public - authoring}"
+            elif module == "fxdebug.authoring":
+                assert set(names) <= authoring, f"{path.name} imports {set(names) - authoring} from fxdebug.authoring"
+            else:
+                assert module not in _core_modules() or module in PUBLIC_SUBPACKAGES, \
+                    f"{path.name} imports {module}; use the public names of fxdebug / fxdebug.authoring"
+
+
+def test_core_never_imports_passes_at_module_level():
+    for path in sorted((ROOT / "fxdebug").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:  # module level only; the CLI/demo may import passes inside functions
+            if isinstance(node, ast.ImportFrom):
+                assert "passes" not in (node.module or "").split("."), f"{path} imports passes at module level"
+            if isinstance(node, ast.Import):
+                assert not any("passes" in a.name.split(".") for a in node.names), path
