@@ -24,6 +24,7 @@ from .context import PassContext, TensorSpec
 from .errors import (
     ArgumentTypeError,
     DeviceMismatchError,
+    DistributedError,
     FxDebugError,
     InplaceError,
     MissingInputsError,
@@ -58,6 +59,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgumentTypeError",
     "DeviceMismatchError",
+    "DistributedError",
     "FxDebugError",
     "GradcheckResult",
     "InplaceError",

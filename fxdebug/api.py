@@ -17,6 +17,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from .context import PassContext
+from .distributed import unwrap_parallel
 from .errors import ArgumentTypeError, FxDebugError, MissingInputsError, TraceError, UsageError
 from .frontends.base import Frontend, TraceOptions
 from .frontends.graphs import ExportFrontend, SymbolicFrontend
@@ -76,6 +77,7 @@ def trace(
     The chosen frontend is ``.trace_info.frontend``; ``"auto"`` also notes why earlier ones failed.
     """
     _check_model(model, "trace")
+    model, unwrapped = unwrap_parallel(model)  # DDP / DataParallel: the model is .module
     if isinstance(model, Instrumented):
         again = model.retrace()
         remember(again, model, (), example_inputs, {}, instrument)
@@ -86,6 +88,8 @@ def trace(
     check_example_inputs(model, inputs)
     options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
     gm = FRONTENDS[frontend].capture(model, inputs, options) if frontend != "auto" else _trace_auto(model, inputs, options)
+    if unwrapped:
+        gm.trace_info.notes.insert(0, unwrapped)
     remember(gm, model, (), example_inputs,  # so that a switch of training mode captures that mode's graph
              {"leaf_modules": tuple(leaf_modules), "auto_leaf": auto_leaf, "dynamic_batch": dynamic_batch}, instrument)
     return gm

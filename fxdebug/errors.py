@@ -9,6 +9,7 @@ The hierarchy::
     ├── NonFiniteError      (FxDebugError, FloatingPointError)   NaN/Inf appeared (raise mode)
     ├── DeviceMismatchError (FxDebugError, RuntimeError)   an op's inputs sit on different devices
     ├── InplaceError        (FxDebugError, RuntimeError)   an in-place op would overwrite a tensor saved for backward
+    ├── DistributedError    (FxDebugError, RuntimeError)   a rank failed or timed out in a cross-rank fxdebug call
     ├── VerificationError   (FxDebugError, AssertionError) the instrumented module computes differently from the model
     └── UsageError          (FxDebugError, ValueError)     fxdebug was called with a value it cannot use
         ├── ArgumentTypeError  (UsageError, TypeError)     ... the wrong kind of thing (not a module, a class)
@@ -30,6 +31,7 @@ from __future__ import annotations
 __all__ = [
     "ArgumentTypeError",
     "DeviceMismatchError",
+    "DistributedError",
     "FxDebugError",
     "InplaceError",
     "MissingInputsError",
@@ -124,6 +126,10 @@ class VerificationError(FxDebugError, AssertionError):
     def __init__(self, message: str, *, result: object = None, **context: str | None) -> None:
         super().__init__(message, **context)
         self.result = result
+
+
+class DistributedError(FxDebugError, RuntimeError):
+    """A cross-rank call (``report(all_ranks=True)``) could not complete: a rank failed, hung or timed out."""
 
 
 class UsageError(FxDebugError, ValueError):

@@ -35,6 +35,7 @@ from .modes import ensure_mode
 from .observe import Clock, Observer
 from .runtime.lower import observer_of
 from .render import render as draw
+from .distributed import merged_report
 from .report import Report, build_report, merge_reports
 from .serialize import deserialize_graph, encode_pytree_info, serialize_graph
 from .tracing import TraceInfo
@@ -179,8 +180,16 @@ class Instrumented(GraphModule):
         """Notes about the capture as a whole, beyond its parts' own (none for a single graph)."""
         return []
 
-    def report(self) -> Report:
-        """What the observe passes saw since the last ``reset()`` (reading it syncs the device)."""
+    def report(self, all_ranks: bool = False, **options: Any) -> Report:
+        """What the observe passes saw since the last ``reset()`` (reading it syncs the device).
+
+        ``all_ranks=True`` merges every torch.distributed rank's statistics (call it on every rank;
+        options ``group=``, ``timeout=``): see ``fxdebug.distributed``.
+        """
+        if all_ranks:
+            return merged_report(self, **options)
+        if options:
+            raise TypeError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
         reports = {path: part._part_report() for path, part in self.parts().items()}
         return merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
 

@@ -1,0 +1,164 @@
+"""Two CPU processes over gloo: DDP and FSDP2 over instrumented modules, merged reports, a failing rank.
+
+Each test spawns two ranks of tests/dist_worker.py the way torchrun does (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT in the environment, a free port per run), waits with a deadline, and
+always kills and reaps both processes. The ranks run several scenarios per spawn, since starting
+Python with torch is most of the cost.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxdebug
+
+WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+DEADLINE = 240  # seconds for a whole spawn on a loaded 2-core CI machine; the ranks' own timeouts are far lower
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(scenarios: str, out: Path, world: int = 2, timeout: float = 20.0) -> tuple[list[dict], list[int], str]:
+    """Run ``scenarios`` on ``world`` ranks; returns each rank's results, exit codes and their output."""
+    env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "FXDEBUG_TEST_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    procs = []
+    logs = [out / f"log{r}.txt" for r in range(world)]
+    try:
+        for r in range(world):
+            with open(logs[r], "w") as log:
+                procs.append(subprocess.Popen([sys.executable, str(WORKER), scenarios, str(out)],
+                                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                              stdout=log, stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=DEADLINE) for p in procs]
+    finally:
+        for p in procs:  # always reaped, whatever happened
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    text = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()}" for r in range(world))
+    results = []
+    for r in range(world):
+        path = out / f"rank{r}.pt"
+        results.append(torch.load(path, weights_only=False) if path.exists() else {})
+    return results, codes, text
+
+
+def _ok(result: dict, name: str, log: str) -> dict:
+    value = result.get(name)
+    assert value is not None and "traceback" not in value, f"{name} failed:\n{(value or {}).get('traceback')}\n{log}"
+    return value
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    results, codes, log = spawn("ddp,nan,collect,fsdp", out)
+    assert codes == [0, 0], log
+    return results, log
+
+
+def test_ddp_over_instrumented_is_bitwise_plain_ddp(two_ranks):
+    results, log = two_ranks
+    for r in (0, 1):
+        ddp = _ok(results[r], "ddp", log)
+        assert ddp["bitwise"] and ddp["world"] == 2 and ddp["calls"] == 6 and ddp["origin"] is None
+
+
+def test_tracing_ddp_unwraps_module(two_ranks):
+    results, log = two_ranks
+    ddp = _ok(results[0], "ddp", log)
+    assert "DistributedDataParallel.module" in ddp["traced_notes"][0]
+    assert ddp["traced_keys"] == ["fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]  # the model's, no "module."
+
+
+def test_merged_statistics_equal_statistics_of_concatenated_data(two_ranks):
+    results, log = two_ranks
+    r0, r1 = _ok(results[0], "ddp", log), _ok(results[1], "ddp", log)
+    assert [r["node"] for r in r0["merged_rows"]] == [r["node"] for r in r1["merged_rows"]]
+    for merged, a, b in zip(r0["merged_rows"], r0["local_rows"], r1["local_rows"]):
+        if not a.get("count"):
+            continue
+        n = a["count"] + b["count"]
+        assert merged["count"] == n
+        mean = (a["count"] * a["mean"] + b["count"] * b["mean"]) / n
+        assert merged["mean"] == pytest.approx(mean, rel=1e-12, abs=1e-15)
+        assert merged["min"] == min(a["min"], b["min"]) and merged["max"] == max(a["max"], b["max"])
+    # against the data itself: fxdebug.collect per rank over a DistributedSampler, merged == whole data set
+    collected = _ok(results[0], "collect", log)
+    assert collected["count"] == 20 * 8
+    assert collected["mean"] == pytest.approx(collected["true_mean"], rel=1e-6)
+    assert collected["std"] == pytest.approx(collected["true_std"], rel=1e-6)
+    assert _ok(results[1], "collect", log)["count"] == 20 * 8
+
+
+def test_planted_nan_on_rank_1_is_named_with_rank_and_call(two_ranks):
+    results, log = two_ranks
+    for r in (0, 1):
+        nan = _ok(results[r], "nan", log)
+        assert nan["origin"] == fxdebug.distributed.Origin(call=2, rank=1, node="sqrt", module="")
+        assert nan["first"] == "sqrt"
+        # rank 0 alone sees the NaN only one call later, after the all-reduce spread NaN weights
+        assert nan["per_rank"][0]["first_nonfinite"] == "fc1" and nan["per_rank"][1]["first_nonfinite"] == "sqrt"
+
+
+def test_fsdp2_fully_shard_over_instrumented_module(two_ranks):
+    results, log = two_ranks
+    for r in (0, 1):
+        fsdp = _ok(results[r], "fsdp", log)
+        assert fsdp["bitwise"] and fsdp["losses"]
+        assert fsdp["count"] == 2 * 3 * 4 * 8  # two ranks, three steps, batch 4, 8 features at fc1
+
+
+def test_a_rank_failing_mid_step_gives_the_other_a_clear_error(tmp_path):
+    results, codes, log = spawn("fail", tmp_path, timeout=20.0)
+    assert codes[1] == 3 and results[1].get("exit")
+    assert codes[0] == 0, log
+    fail = results[0]["fail"]
+    assert fail["type"] == "DistributedError", fail
+    # gloo either names the rank that missed the barrier or reports the connection it closed when it died
+    assert "rank 0: not every rank reached the merge" in fail["error"]
+    assert "Ranks 1 failed" in fail["error"] or "onnection" in fail["error"], fail["error"]
+
+
+def test_merge_rules_without_processes():
+    """The row merge itself: parallel variance, global extremes, summed counts, unknown dead_frac."""
+    from fxdebug.distributed import _merge_rows
+
+    a = torch.randn(100, dtype=torch.float64)
+    b = torch.randn(37, dtype=torch.float64) * 3 + 1
+    row = lambda t: {"node": "n", "module": "", "op": "x", "count": t.numel(), "calls": 1, "mean": float(t.mean()),  # noqa: E731
+                     "std": float(t.std(unbiased=False)), "min": float(t.min()), "max": float(t.max()),
+                     "zero_frac": 0.0, "nan": 0, "dead_frac": 0.5, "nonfinite_first_call": None}
+    (merged,), notes = _merge_rows([[row(a)], [row(b)]])
+    both = torch.cat([a, b])
+    assert merged["count"] == 137 and merged["calls"] == 2
+    assert merged["mean"] == pytest.approx(float(both.mean()), rel=1e-12)
+    assert merged["std"] == pytest.approx(float(both.std(unbiased=False)), rel=1e-12)
+    assert merged["min"] == float(both.min()) and merged["max"] == float(both.max())
+    assert merged["dead_frac"] is None and any("chan_max" in n for n in notes)
+    with_chan = [[{**row(a), "chan_max": [1.0, -1.0, 0.0]}], [{**row(b), "chan_max": [-2.0, 3.0, 0.0]}]]
+    (merged,), _ = _merge_rows(with_chan)
+    assert merged["dead_frac"] == pytest.approx(1 / 3)  # only the channel never positive on either rank
+    assert not math.isnan(merged["std"])
+
+
+def test_all_ranks_needs_an_initialised_group():
+    dbg = fxdebug.instrument(torch.nn.Linear(2, 2), [], example_inputs=(torch.randn(1, 2),))
+    with pytest.raises(fxdebug.UsageError, match="init_process_group"):
+        dbg.report(all_ranks=True)
