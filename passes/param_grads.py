@@ -9,7 +9,8 @@ the activation-gradient columns of ``StatCollector(grads=True)``:
 * ``param_grad_max_abs`` — the largest |g| seen;
 * ``param_grad_norm`` — root-mean-square over backward passes of the module's gradient L2 norm
   (all its parameters together);
-* ``param_count`` (hidden) — parameter elements; ``param_grad_calls`` (hidden) — backward passes seen.
+* ``param_count`` (hidden) — parameter elements; ``param_grad_calls`` (hidden) — backward passes seen;
+  ``param_module`` (hidden) — the owning module (an LSTM's numbers sit on its first output's row).
 
 How: each forward with grad enabled registers a one-shot gradient hook on each of the module's
 parameters (removed when it fires, or at the next forward if no backward came); the hook adds
@@ -42,10 +43,12 @@ class ParamGradProbe(Probe):
         Column("param_grad_norm", doc="RMS over backward passes of the parameters' gradient L2 norm"),
         Column("param_count", roles=HIDDEN, doc="parameter elements of the module"),
         Column("param_grad_calls", roles=HIDDEN, doc="backward passes that reached the parameters"),
+        Column("param_module", roles=HIDDEN, doc="the module owning the parameters (may differ from the row's node)"),
     )
 
-    def __init__(self, params: dict[str, nn.Parameter]) -> None:
+    def __init__(self, params: dict[str, nn.Parameter], owner: str = "") -> None:
         self.params = params
+        self.owner = owner
         self._handles: list[Any] = []
         self._call: int | None = None
 
@@ -90,7 +93,7 @@ class ParamGradProbe(Probe):
         if state["acc"].device.type == "meta":
             return {}
         abs_sum, sq, n, calls = state["acc"].tolist()
-        out: dict[str, Any] = {"param_count": state["count"], "param_grad_calls": int(calls)}
+        out: dict[str, Any] = {"param_count": state["count"], "param_grad_calls": int(calls), "param_module": self.owner}
         if calls:
             out.update(param_grad_mean_abs=abs_sum / n, param_grad_max_abs=float(state["hi"]),
                        param_grad_norm=(sq / calls) ** 0.5)
@@ -133,14 +136,18 @@ class ParamGrads(fxdebug.Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         groups: dict[Node, dict[str, nn.Parameter]] = {}
+        owners: dict[Node, str] = {}
         seen: set[int] = set()
         for node in list(gm.graph.nodes):
             if fxdebug.is_instrumentation(node) or not self._selects(node):
                 continue
             params: dict[str, nn.Parameter] = {}
             host: Node | None = None
-            if node.op == "call_module" and not str(node.target).startswith("fxdebug."):
-                params = dict(gm.get_submodule(str(node.target)).named_parameters())
+            target = str(node.target)
+            if node.op == "call_module" and fxdebug.fx_meta(node).get("frozen") is not None:
+                target = fxdebug.module_path(node)  # Freeze's wrapper: the module it calls
+            if node.op == "call_module" and not target.startswith("fxdebug."):
+                params = dict(gm.get_submodule(target).named_parameters())
                 host = _host(node)
             elif node.op == "get_attr":
                 value = _attr(gm, str(node.target))
@@ -153,7 +160,8 @@ class ParamGrads(fxdebug.Pass):
                 continue
             seen.update(id(p) for p in params.values())
             groups.setdefault(host, {}).update(params)
-        added = [ctx.observe(host, ParamGradProbe(params)) for host, params in groups.items()]
+            owners.setdefault(host, target if node.op == "call_module" else target.rpartition(".")[0])
+        added = [ctx.observe(host, ParamGradProbe(params, owners[host])) for host, params in groups.items()]
         return PassResult(gm, added=[a for a in added if a is not None])
 
 
