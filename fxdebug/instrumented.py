@@ -206,6 +206,15 @@ class Instrumented(GraphModule):
         """Run ``example_inputs`` once to write every node's shape, dtype and device into its meta."""
         PassContext(example_inputs).specs(self)
 
+    def to_module(self, shrink: bool = False) -> nn.Module:
+        """A plain, shippable ``GraphModule``: observers removed, transforms kept (``fxdebug.to_module``).
+
+        ``shrink=True`` also removes pruned channels physically (``fxdebug.shrink``).
+        """
+        from .to_module import to_module
+
+        return to_module(self, shrink=shrink)
+
     def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
         """Draw the annotated graph to ``path`` (SVG); see ``fxdebug.render``."""
         if example_inputs is not None:

@@ -122,7 +122,7 @@ class Fuse(Pass):
                 return None
             layer, bn = match.modules()
             fused = self.fold(layer, bn)
-            info: dict[str, Any] = {"from": [n.name for n in match.nodes]}
+            info: dict[str, Any] = {"from": [n.name for n in match.nodes], "layer": str(match.nodes[0].target)}
             if values:
                 info["max_abs_diff"] = self._check(fused, match, values)
             infos[match.anchor.name] = info

@@ -1,0 +1,107 @@
+"""``dbg.to_module()``: observers removed, transforms kept, a plain module to save, export and trace."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.utils import _pytree as pytree
+
+import fxdebug
+from fxdebug.passes import Fuse, NaNCheck, PruneMasks, StatCollector, SwapActivation
+from real_models import detector
+from zoo import ZOO
+
+TRANSFORMS = lambda: [Fuse(), SwapActivation(), PruneMasks(0.3), StatCollector(), NaNCheck(mode="record")]  # noqa: E731
+NOT_EXPORTABLE = {"control_flow"}  # data-dependent Python in an auto-leaf: torch.export refuses the model itself
+
+
+def _call(m, ex):
+    return m(**ex) if isinstance(ex, dict) else m(*ex)
+
+
+def _equal(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(torch.equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_to_module_is_plain_and_computes_what_the_transforms_compute(name):
+    model, ex = ZOO[name]()
+    model.eval()
+    dbg = fxdebug.instrument(model, TRANSFORMS(), example_inputs=ex)
+    plain = dbg.to_module()
+    assert type(plain).__mro__[1] is GraphModule and not isinstance(plain, fxdebug.Instrumented)
+    assert not any(fxdebug.is_instrumentation(n) for n in plain.graph.nodes)
+    assert not any(type(m).__name__ in ("Observer", "Clock", "InputGuard", "Masked") for m in plain.modules())
+    assert not any(k.startswith("fxdebug.") for k in plain.state_dict())
+    graph_targets = {str(n.target) for n in plain.graph.nodes if n.op in ("call_module", "get_attr")}
+    assert all(any(k == t or k.startswith(f"{t}.") for t in graph_targets) for k in plain.state_dict())
+    with torch.no_grad():
+        assert _equal(_call(plain, ex), _call(dbg, ex))
+    buf = io.BytesIO()
+    torch.save(plain, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert _equal(_call(loaded, ex), _call(dbg, ex))
+    args = ex if isinstance(ex, tuple) else tuple(ex.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(plain, args, strict=False, check_trace=False)
+    with torch.no_grad():
+        assert _equal(traced(*args), _call(dbg, ex))
+    if name not in NOT_EXPORTABLE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(plain, ex if isinstance(ex, tuple) else (),
+                                          ex if isinstance(ex, dict) else None, strict=False)
+        with torch.no_grad():
+            assert _equal(_call(program.module(), ex), _call(dbg, ex))
+
+
+def test_state_dict_holds_only_the_parameters_the_graph_uses():
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    plain = fxdebug.instrument(model, [Fuse()], example_inputs=(x,)).to_module()
+    keys = set(plain.state_dict())
+    assert "stem.0.weight" in keys and "stem.0.bias" in keys  # the fused conv takes the conv's own path
+    assert not any(k.startswith("stem.1.") for k in keys)  # the folded batch-norm is gone
+    assert sum(p.numel() for p in plain.parameters()) < sum(p.numel() for p in model.parameters())
+    torch.testing.assert_close(plain(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_masks_are_baked_and_nothing_is_shared_with_the_model():
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5)], example_inputs=(x,))
+    plain = dbg.to_module()
+    w = plain.get_submodule("layer1.0.conv1").weight
+    assert (w == 0).float().mean().item() > 0.2 and (model.layer1[0].conv1.weight != 0).all()
+    assert not {id(p) for p in plain.parameters()} & {id(p) for p in model.parameters()}
+    assert torch.equal(plain(x), dbg(x))
+
+
+def test_subtrees_detector_to_module_keeps_the_eager_root_and_plain_parts():
+    model, (images,) = detector()
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(images,))
+    shipped = dbg.to_module()
+    assert type(shipped) is type(model)
+    assert isinstance(shipped.backbone, GraphModule) and not isinstance(shipped.backbone, fxdebug.Instrumented)
+    with torch.no_grad():
+        assert _equal(shipped(images), model(images))
+
+
+def test_instrumented_module_is_unchanged_by_to_module():
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+    before = len(list(dbg.graph.nodes))
+    dbg.to_module()
+    assert len(list(dbg.graph.nodes)) == before and dbg.observers()
+    dbg(x)
+    assert dbg.report().calls == 1
