@@ -77,6 +77,13 @@ class Report:
         return [r["node"] for r in self.rows if self.nonfinite_in(r, "forward")]
 
     @property
+    def history(self) -> Any:
+        """With ``Recorder`` / ``NaNCheck(history=N)``: the last N calls' per-node statistics."""
+        from .numerics.recorder import history_of
+
+        return history_of(self.rows)
+
+    @property
     def precision_origin(self) -> str | None:
         """With ``Shadow``: the node where the accumulated relative error grew most (``err_growth``)."""
         from .numerics.shadow import precision_origin

@@ -22,6 +22,7 @@ _WHERE = {
     "PruneMasks": "prune",
     "Shadow": "shadow",
     "Precision": "precision",
+    "Recorder": "recorder",
     "InplaceCheck": "inplace_check",
     "Breakpoint": "breakpoint",
     "GradientCentralize": "gradient_centralize",

@@ -162,15 +162,24 @@ class NaNCheck(fxdebug.Pass):
         views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
             default, since they only rearrange values their input already had.
         where: limit the watched nodes (globs over module paths / node names, or a predicate).
+        history: also keep the last ``history`` calls' statistics of every watched node in a ring
+            buffer on the device (a flight recorder; ``report().history``; see ``Recorder``).
+        on_nonfinite: a callable ``f(report)`` or a path: fires at the end of the first call with a
+            NaN/Inf, reading one device flag per call (the one sync this option costs).
     """
 
     name = "nan-check"
     observe_only = True
 
     def __init__(self, mode: str = "record", backward: bool = False, *, counts: bool = False, views: bool = False,
-                 where: Where = None) -> None:
+                 where: Where = None, history: int | None = None, on_nonfinite: Any = None) -> None:
         super().__init__(where=where)
         self.views = views
+        if history is not None or on_nonfinite is not None:
+            from .recorder import Recorder
+
+            Recorder(history or 1, on_nonfinite=on_nonfinite)  # validates both
+        self.history, self.on_nonfinite = history, on_nonfinite
         if mode not in ("record", "raise"):
             raise UsageError(f"NaNCheck(mode={mode!r}): mode is 'record' (no host sync) or 'raise' (stop at the first NaN/Inf).")
         self.mode, self.backward, self.counts = mode, backward, counts
@@ -178,8 +187,11 @@ class NaNCheck(fxdebug.Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
         skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
-        for node in ctx.nodes(gm, self.where, ops=_OPS, float_outputs=True, predicate=skip_views):
+        nodes = ctx.nodes(gm, self.where, ops=_OPS, float_outputs=True, predicate=skip_views)
+        for node in nodes:
             added.append(ctx.observe(node, self._probe(gm, node)))
+        if self.history is not None or self.on_nonfinite is not None:
+            added += fxdebug.numerics.add_recorder(gm, ctx, nodes, self.history or 1, self.on_nonfinite)
         return PassResult(gm, added=[a for a in added if a is not None])
 
     def _probe(self, gm: GraphModule, node: Node) -> Probe:

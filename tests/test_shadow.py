@@ -117,6 +117,8 @@ def test_reset_clears_shadow_errors():
     assert dbg.report().row("sub")["acc_err"] > 0.5
     dbg.reset()
     assert "acc_err" not in dbg.report().row("sub")
+    dbg(torch.ones_like(xb))  # constant rows: mean and E[x²] exact, the variance exactly 0
+    assert dbg.report().row("sub")["acc_err"] < 0.5  # the earlier maximum is gone
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from .diff import Diff, diff
 from .precision import KeepFloat, PrecisionPlan, cast_back, keep_float, precision_plan
+from .recorder import CallRecord, History, add_recorder, history_of
 from .shadow import ShadowOp, ShadowProbe, add_shadow, as_shadow, precision_origin
 
-__all__ = ["Diff", "KeepFloat", "PrecisionPlan", "ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "cast_back", "diff",
+__all__ = ["CallRecord", "Diff", "History", "KeepFloat", "PrecisionPlan", "ShadowOp", "ShadowProbe", "add_recorder", "add_shadow", "as_shadow", "cast_back", "diff", "history_of",
            "keep_float", "precision_origin", "precision_plan"]

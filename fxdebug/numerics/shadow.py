@@ -250,6 +250,9 @@ class ShadowProbe(Probe):
         self.shadow_op = shadow_op
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
+        # Fresh probe state means a first call or ``reset()``: the observer runs before the
+        # shadow op, so clearing the shadow op's maxima here starts it afresh for this call.
+        self.shadow_op.reset()
         return {}
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:

@@ -1,0 +1,53 @@
+"""``Recorder(history=N)``: a flight recorder of the last N calls' per-node statistics.
+
+Each watched node writes ``mean``, ``std``, ``min``, ``max``, ``norm`` and a NaN/Inf flag of its
+output into a ring buffer on its device every call, with no host sync; ``report().history``
+returns the calls (``History``: ``.calls``, ``.at(call)``, ``.node(name)``, ``.first_nonfinite``).
+``on_nonfinite=`` (a callable taking the report, or a path to write it to as JSON) fires at the
+end of the first call in which a watched node saw NaN/Inf, at the cost of reading one device flag
+per call — the one sync this option adds. ``NaNCheck(history=N, on_nonfinite=...)`` is the same
+recorder on the nodes NaNCheck watches. See ``docs/numerics.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch.fx import GraphModule
+
+import fxdebug
+from fxdebug import PassContext, PassResult, Where, numerics
+
+__all__ = ["Recorder"]
+
+
+class Recorder(fxdebug.Pass):
+    """Keep the last ``history`` calls' statistics of every selected node on the device.
+
+    Args:
+        history: how many calls to keep (the ring's length).
+        on_nonfinite: a callable ``f(report)`` or a path; fires once, at the end of the first call
+            with a NaN/Inf (one device flag read per call).
+        views: also record reshapes, permutes and slices.
+        where: limit the recorded nodes.
+    """
+
+    name = "recorder"
+    observe_only = True
+
+    def __init__(self, history: int = 64, *, on_nonfinite: Callable[[Any], Any] | str | None = None,
+                 views: bool = False, where: Where = None) -> None:
+        super().__init__(where=where)
+        if not isinstance(history, int) or isinstance(history, bool) or history < 1:
+            raise fxdebug.UsageError(f"Recorder(history={history!r}): history is how many calls to keep, an int >= 1.")
+        if on_nonfinite is not None and not callable(on_nonfinite) and not isinstance(on_nonfinite, str) \
+                and not hasattr(on_nonfinite, "__fspath__"):
+            raise fxdebug.UsageError(f"Recorder(on_nonfinite={on_nonfinite!r}): a callable taking the report, or a "
+                                     "path to write the report to as JSON.")
+        self.history, self.on_nonfinite, self.views = history, on_nonfinite, views
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
+        nodes = ctx.nodes(gm, self.where, ops=("placeholder", "call_module", "call_function", "call_method"),
+                          float_outputs=ctx.inputs is not None, predicate=skip_views)
+        return PassResult(gm, added=numerics.add_recorder(gm, ctx, nodes, self.history, self.on_nonfinite))
