@@ -44,8 +44,8 @@ def test_large_tensors_are_read_whole_in_one_fused_pass(shape):
     row = dbg.report().rows[-1]
     assert "sampled_frac" not in row  # no sampling: every element is read
     assert row["zero_frac"] == pytest.approx(exact_zero, abs=1e-12)
-    assert row["mean_abs"] == pytest.approx(exact_abs, rel=1e-9)
-    assert row["mean"] == pytest.approx(float(out.double().mean()), rel=1e-9)
+    assert row["mean_abs"] == pytest.approx(exact_abs, rel=1e-6)
+    assert row["mean"] == pytest.approx(float(out.double().mean()), rel=1e-6)
     assert row["count"] == out.numel()
 
 

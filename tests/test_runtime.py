@@ -63,7 +63,8 @@ def test_kernel_matches_torch_reductions(case):
     x = make()
     native = _run(observe_op(), x, channels, cdim)
     reference = _run(observe_torch, x, channels, cdim)
-    torch.testing.assert_close(native, reference, rtol=1e-9, atol=0, equal_nan=True)
+    # float32 inputs are summed in float lanes per block of 512, blocks in float64: ~1e-7 relative
+    torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-9, equal_nan=True)
     row = native[K: 2 * K]
     assert row[INDEX["calls"]] == 2
     if x.numel():
@@ -73,8 +74,8 @@ def test_kernel_matches_torch_reductions(case):
         assert row[INDEX["zeros"]] == 2 * int((x == 0).sum())
         finite = xd[torch.isfinite(xd)]
         if torch.isfinite(xd).all():
-            torch.testing.assert_close(row[INDEX["sum"]], 2 * xd.sum(), rtol=1e-9, atol=1e-9)
-            torch.testing.assert_close(row[INDEX["sumsq"]], 2 * (xd * xd).sum(), rtol=1e-9, atol=0)
+            torch.testing.assert_close(row[INDEX["sum"]], 2 * xd.sum(), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(row[INDEX["sumsq"]], 2 * (xd * xd).sum(), rtol=1e-6, atol=0)
             assert row[INDEX["min"]] == finite.min() and row[INDEX["max"]] == finite.max()
             assert row[INDEX["bad_calls"]] == 0 and math.isinf(row[INDEX["first_bad"]])
         else:
@@ -114,7 +115,7 @@ def test_mixed_probes_keep_the_observer_and_still_use_one_fused_read():
     with torch.no_grad():
         ref = model.stem(x)
     assert row["calls"] == 2 and row["count"] == 2 * ref.numel()
-    assert row["mean"] == pytest.approx(float(ref.double().mean()), rel=1e-9)
+    assert row["mean"] == pytest.approx(float(ref.double().mean()), rel=1e-6)
 
 
 class Huge(nn.Module):

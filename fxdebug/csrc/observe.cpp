@@ -3,8 +3,9 @@
 // fxdebug::observe(x, table, row, chan_off, channels, channel_dim) reads x once and folds its
 // sum, sum of squares, sum of |x|, min, max, zero / NaN / Inf counts (and, with channels > 0,
 // the max of every channel along channel_dim) into row `row` of `table`, a float64 state tensor
-// on x's device (layout: fxdebug/runtime/slots.py). Sums accumulate in double, so finite values
-// up to float32's range never overflow the statistics (1e36**2 = 1e72). Partial results are
+// on x's device (layout: fxdebug/runtime/slots.py). Sums are added in double (per block of 512
+// in float lanes, redone in double where a block holds NaN/Inf or overflowed), so finite values up
+// to float32's range never overflow the statistics (1e36**2 = 1e72) nor look non-finite. Partial results are
 // computed over fixed-size chunks and combined in chunk order, so the figures do not depend on
 // the thread count. Only the final fold into the table is serialised (a mutex held for a few
 // dozen stores), which is what makes concurrent calls from several threads safe.
@@ -48,10 +49,10 @@ template <typename T>
 using work_t = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
 
 // Statistics of a contiguous run into `a`; returns the run's max ignoring NaN (NaNs are counted).
+// Exact path: every lane in double (float64 inputs, and any block that holds NaN/Inf or whose
+// float partial sums overflowed). One uniform vector width, so the whole body vectorises.
 template <typename T>
-inline void run_stats(const T* p, int64_t n, Acc& a) {
-  // Every lane in double: one uniform vector width, so the compiler vectorises the whole body
-  // (counts are exact in double up to 2^53 elements per call).
+inline void run_stats_exact(const T* p, int64_t n, Acc& a) {
   double s = 0, sq = 0, ab = 0, z = 0, nn = 0, ni = 0;
   double mn = INFINITY, mx = -INFINITY;
 #pragma omp simd reduction(+ : s, sq, ab, z, nn, ni) reduction(min : mn) reduction(max : mx)
@@ -65,10 +66,8 @@ inline void run_stats(const T* p, int64_t n, Acc& a) {
     bool isn = d != d;
     nn += isn ? 1.0 : 0.0;
     ni += (ad == INFINITY) ? 1.0 : 0.0;
-    double lo = isn ? INFINITY : d;
-    double hi = isn ? -INFINITY : d;
-    mn = lo < mn ? lo : mn;
-    mx = hi > mx ? hi : mx;
+    mn = d < mn ? d : mn;  // a NaN d leaves mn alone (NaNs are counted, not compared)
+    mx = d > mx ? d : mx;
   }
   a.sum += s; a.sumsq += sq; a.abs += ab;
   a.zeros += static_cast<int64_t>(z); a.nans += static_cast<int64_t>(nn); a.infs += static_cast<int64_t>(ni);
@@ -76,73 +75,105 @@ inline void run_stats(const T* p, int64_t n, Acc& a) {
   a.mx = std::max(a.mx, mx);
 }
 
-// Rows of `c` channels (channels last): statistics plus a NaN-propagating max per channel.
+constexpr int64_t BLOCK = 512;
+
+// Fast path for float32/16/bf16: blocks of 512 in float lanes (twice the lanes of double), each
+// block's partial sums added in double. A block's |x| sum is finite exactly when the block holds
+// no NaN/Inf and nothing overflowed; otherwise the block is redone on the exact path, so large
+// finite values (1e36) are never mistaken for non-finite ones and NaN/Inf counts stay exact.
 template <typename T>
-inline void rows_stats(const T* p, int64_t rows, int64_t c, Acc& a, double* cm) {
-  using V = work_t<T>;
-  std::vector<V> m(c, -std::numeric_limits<V>::infinity());
-  V* mp = m.data();
-  for (int64_t r = 0; r < rows; r++) {
-    const T* q = p + r * c;
-    run_stats(q, c, a);
-#pragma omp simd
-    for (int64_t j = 0; j < c; j++) {
-      V v = static_cast<V>(q[j]);
-      V old = mp[j];
-      mp[j] = (v != v) ? v : (v > old ? v : old);  // once NaN, NaN stays (v > NaN is false)
+inline void run_stats(const T* p, int64_t n, Acc& a) {
+  if constexpr (std::is_same<T, double>::value) {
+    run_stats_exact(p, n, a);
+  } else {
+    for (int64_t b = 0; b < n; b += BLOCK) {
+      int64_t m = std::min(BLOCK, n - b);
+      const T* q = p + b;
+      float s = 0, sq = 0, ab = 0, z = 0, mn = INFINITY, mx = -INFINITY;
+#pragma omp simd reduction(+ : s, sq, ab, z) reduction(min : mn) reduction(max : mx)
+      for (int64_t i = 0; i < m; i++) {
+        float v = static_cast<float>(q[i]);
+        s += v;
+        sq += v * v;
+        ab += std::fabs(v);
+        z += (v == 0.0f) ? 1.0f : 0.0f;
+        mn = v < mn ? v : mn;
+        mx = v > mx ? v : mx;
+      }
+      if (std::isfinite(ab) && std::isfinite(sq)) {
+        a.sum += s; a.sumsq += sq; a.abs += ab; a.zeros += static_cast<int64_t>(z);
+        a.mn = std::min(a.mn, static_cast<double>(mn));
+        a.mx = std::max(a.mx, static_cast<double>(mx));
+      } else {
+        run_stats_exact(q, m, a);
+      }
     }
-  }
-  for (int64_t j = 0; j < c; j++) {
-    double v = static_cast<double>(mp[j]);
-    cm[j] = (std::isnan(cm[j]) || std::isnan(v)) ? NAN : std::max(cm[j], v);
   }
 }
 
+// Max of a contiguous run, ignoring NaN (channels holding NaN are marked afterwards, only in the
+// rare calls that saw one).
 template <typename T>
-void stats(const T* p, int64_t n, int64_t outer, int64_t c, int64_t inner, bool per_chan, Acc& total,
-           std::vector<double>& cmax) {
-  if (!per_chan) {
-    int64_t chunks = (n + GRAIN - 1) / GRAIN;
-    std::vector<Acc> parts(chunks);
-    at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-      for (int64_t k = b; k < e; k++) run_stats(p + k * GRAIN, std::min(GRAIN, n - k * GRAIN), parts[k]);
-    });
-    for (auto& part : parts) total.merge(part);
-    return;
+inline void run_max(const T* p, int64_t n, work_t<T>& m) {
+  using V = work_t<T>;
+  V mx = m;
+#pragma omp simd reduction(max : mx)
+  for (int64_t i = 0; i < n; i++) {
+    V v = static_cast<V>(p[i]);
+    mx = v > mx ? v : mx;
   }
-  cmax.assign(c, -INFINITY);
-  if (inner == 1) {  // channels last: (outer rows) x (c channels)
-    int64_t rows_per = std::max<int64_t>(1, GRAIN / std::max<int64_t>(c, 1));
-    int64_t chunks = (outer + rows_per - 1) / rows_per;
-    std::vector<Acc> parts(chunks);
-    std::vector<std::vector<double>> pm(chunks, std::vector<double>(c, -INFINITY));
-    at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-      for (int64_t k = b; k < e; k++) {
-        int64_t r0 = k * rows_per, r1 = std::min(outer, r0 + rows_per);
-        rows_stats(p + r0 * c, r1 - r0, c, parts[k], pm[k].data());
+  m = mx;
+}
+
+inline void nan_max_into(double& slot, double v) { slot = (std::isnan(slot) || std::isnan(v)) ? NAN : std::max(slot, v); }
+
+// All statistics of `n` elements in memory order, in fixed chunks of whole runs (a run is the
+// `inner` contiguous elements of one channel; channels last means inner == 1 and rows of `c`).
+// Each chunk is read from memory once: the global statistics in one vectorised loop, then the
+// channel maxima of the same, cache-hot chunk. Chunk partials are combined in chunk order (the
+// sums do not depend on the thread count); maxima go to per-thread arrays (max is exact in any order).
+template <typename T>
+void stats(const T* p, int64_t n, int64_t c, int64_t inner, bool per_chan, Acc& total, std::vector<double>& cmax) {
+  using V = work_t<T>;
+  int64_t unit = per_chan ? (inner == 1 ? c : inner) : 1;  // chunks hold whole runs (or rows)
+  int64_t per_chunk = std::max<int64_t>(1, GRAIN / unit) * unit;
+  int64_t chunks = (n + per_chunk - 1) / per_chunk;
+  std::vector<Acc> parts(chunks);
+  int threads = at::get_num_threads();
+  std::vector<std::vector<V>> tmax(per_chan ? threads : 0,
+                                   std::vector<V>(per_chan ? c : 0, -std::numeric_limits<V>::infinity()));
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    int tid = std::min(at::get_thread_num(), threads - 1);
+    for (int64_t k = b; k < e; k++) {
+      int64_t i0 = k * per_chunk, len = std::min(per_chunk, n - i0);
+      run_stats(p + i0, len, parts[k]);
+      if (!per_chan) continue;
+      V* m = tmax[tid].data();
+      if (inner == 1) {  // rows of c channels: vectorised along the channels
+        for (int64_t r = 0; r < len / c; r++) {
+          const T* q = p + i0 + r * c;
+#pragma omp simd
+          for (int64_t j = 0; j < c; j++) {
+            V v = static_cast<V>(q[j]);
+            m[j] = v > m[j] ? v : m[j];
+          }
+        }
+      } else {
+        for (int64_t q = i0 / inner; q < (i0 + len) / inner; q++) run_max(p + q * inner, inner, m[q % c]);
       }
-    });
-    for (int64_t k = 0; k < chunks; k++) {
-      total.merge(parts[k]);
-      for (int64_t j = 0; j < c; j++) {
-        double v = pm[k][j];
-        cmax[j] = (std::isnan(cmax[j]) || std::isnan(v)) ? NAN : std::max(cmax[j], v);
-      }
-    }
-    return;
-  }
-  // channels first: (outer) x (c) x (inner contiguous); each channel's runs in one task
-  std::vector<Acc> parts(c);
-  int64_t per_channel = std::max<int64_t>(outer * inner, 1);
-  int64_t grain = std::max<int64_t>(1, GRAIN / per_channel);
-  at::parallel_for(0, c, grain, [&](int64_t b, int64_t e) {
-    for (int64_t j = b; j < e; j++) {
-      Acc& a = parts[j];
-      for (int64_t o = 0; o < outer; o++) run_stats(p + (o * c + j) * inner, inner, a);
-      cmax[j] = a.nans ? NAN : a.mx;
     }
   });
   for (auto& part : parts) total.merge(part);
+  if (!per_chan) return;
+  cmax.assign(c, -INFINITY);
+  for (int t = 0; t < threads; t++)
+    for (int64_t j = 0; j < c; j++) cmax[j] = std::max(cmax[j], static_cast<double>(tmax[t][j]));
+  if (total.nans) {  // rare: mark the channels that held a NaN (their max is NaN, as amax says)
+    for (int64_t i = 0; i < n; i++) {
+      V v = static_cast<V>(p[i]);
+      if (v != v) cmax[inner == 1 ? i % c : (i / inner) % c] = NAN;
+    }
+  }
 }
 
 void fold(double* t, int64_t base, int64_t n, const Acc& a, bool per_chan, bool mismatch, const std::vector<double>& cmax,
@@ -220,7 +251,7 @@ void observe_cpu(const at::Tensor& x_in, at::Tensor& table, int64_t row, int64_t
   Acc a;
   if (n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "fxdebug_observe", [&] {
-      stats<scalar_t>(x.const_data_ptr<scalar_t>(), n, outer, c, inner, per_chan, a, cmax);
+      stats<scalar_t>(x.const_data_ptr<scalar_t>(), n, c, inner, per_chan, a, cmax);
     });
   }
   fold(t, base, n, a, per_chan, mismatch, cmax, chan_off);

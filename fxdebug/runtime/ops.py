@@ -42,7 +42,10 @@ def _cflags() -> tuple[str, list[str]]:
             cpu = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpu = ""
-        if " avx2 " in cpu and " fma " in cpu:
+        if " avx512f " in cpu and " avx512vl " in cpu and " avx512bw " in cpu and " fma " in cpu:
+            flags += ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512bw", "-mprefer-vector-width=512"]
+            name += "_avx512"
+        elif " avx2 " in cpu and " fma " in cpu:
             flags += ["-mavx2", "-mfma"]
             name += "_avx2"
     return name, flags
