@@ -71,7 +71,7 @@ class HistogramProbe(Probe):
             return
         if state["edges"] is None:
             state["edges"] = self._edges(r["min"], r["max"])
-        sample = r["sample"].reshape(-1)
+        sample = r["sample"].reshape(-1).contiguous()  # gradients of a sum() are expanded (stride 0)
         values = sample if sample.dtype == torch.float32 else sample.float()
         idx = torch.bucketize(values, state["edges"])  # 0: below the first edge; bins + 1: above the last
         state["counts"].add_(torch.bincount(idx, minlength=self.bins + 2)[: self.bins + 2].to(torch.float64))
