@@ -8,7 +8,9 @@ box each and are laid out when expanded — so large graphs open quickly. Nothin
 the network.
 
 The view is the SVG's (``render_view``) with the same folds for parameters, asserts and plumbing
-(``render_fold``), but repeated blocks stay separate: in the viewer each can be expanded. Folded
+(``render_fold``), but repeated blocks stay separate: in the viewer each can be expanded. A
+cluster's mask/shape plumbing sits in a child cluster of its own, ``(mask/shape plumbing)``, closed
+at first. Folded
 parameter and assert nodes are kept in the data as hidden nodes, so the node count the page shows
 is the graph's.
 """
@@ -25,7 +27,7 @@ from typing import Any
 from .render_fold import fold_asserts, fold_params, focus_paths, place_plumbing
 from .render_view import GraphView, VisNode
 
-__all__ = ["ASSETS", "html_data", "viewer_html", "write_html"]
+__all__ = ["ASSETS", "PLUMBING_CLUSTER", "html_data", "viewer_html", "write_html"]
 
 ASSETS = ("dagre.min.js", "viewer.js", "viewer.css", "dagre-LICENSE")
 """The files under ``fxdebug/render_assets`` the page is built from (shipped as package data)."""
@@ -54,10 +56,20 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+PLUMBING_CLUSTER = "(mask/shape plumbing)"
+"""The last part of the cluster path a cluster's plumbing nodes are grouped under (collapsed at first)."""
+
+
+def _cluster(v: VisNode) -> str:
+    if v.plumbing and v.kind != "placeholder" and not (v.origin or v.grad_origin or v.failed):
+        return f"{v.cluster}.{PLUMBING_CLUSTER}" if v.cluster else PLUMBING_CLUSTER
+    return v.cluster
+
+
 def _node(v: VisNode, index: dict[str, int], hidden: bool) -> dict[str, Any]:
     return {
         "name": v.name, "op": v.label, "kind": v.kind, "module": v.module, "module_type": v.module_type,
-        "cluster": "" if hidden else v.cluster, "hidden": hidden,
+        "cluster": "" if hidden else _cluster(v), "hidden": hidden,
         "shape": _jsonable(v.shape), "dtype": v.dtype, "device": v.device, "stats": _jsonable(v.stats),
         "params": [[t, _jsonable(s)] for t, s, _ in v.params],
         "inputs": [index[i] for i in v.inputs if i in index],

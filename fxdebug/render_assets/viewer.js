@@ -59,6 +59,7 @@
     var queue = clusters[""].children.slice();
     while (queue.length) {
       var c = queue.shift();
+      if (c.path.slice(c.path.lastIndexOf(".") + 1).charAt(0) === "(") continue; // plumbing stays closed
       var grow = c.children.length + c.nodes.length - 1;
       if (visible + grow > AUTO_OPEN) continue;
       expanded[c.path] = true;
@@ -215,7 +216,7 @@
     var layerClusters = el("g", {"class": "clusters"}, root);
     var layerEdges = el("g", {"class": "edges"}, root);
     var layerNodes = el("g", {"class": "nodes"}, root);
-    var count = 0;
+    var count = 0, boxes = 0;
     g.nodes().forEach(function (id) {
       var d = g.node(id);
       if (!d || d.kind !== "open") return;
@@ -248,6 +249,7 @@
         el("title", {}, grp).textContent = n.name + " (" + (n.module || "<root>") + ")";
       } else {
         var c = d.cluster;
+        boxes += 1;
         grp = el("g", {"class": "cluster box " + findingClass(c), "data-cluster": c.path}, layerNodes);
         if (colourKey) fill = heat(clusterValue(c, colourKey));
         grp.addEventListener("click", function (ev) { ev.stopPropagation(); expand(c.path); });
@@ -263,7 +265,8 @@
     var gg = g.graph();
     svg.setAttribute("data-width", Math.round(gg.width || 0));
     svg.setAttribute("data-height", Math.round(gg.height || 0));
-    document.getElementById("visible").textContent = count + " nodes drawn, layout " + Math.round(lastLayoutMs) + " ms";
+    document.getElementById("visible").textContent = count + " nodes and " + boxes + " closed modules drawn, layout "
+      + Math.round(lastLayoutMs) + " ms";
     applyView();
     return g;
   }
@@ -284,16 +287,18 @@
     var mx = ev.clientX - r.left, my = ev.clientY - r.top;
     view.x = mx - (mx - view.x) * f; view.y = my - (my - view.y) * f; view.k *= f; applyView();
   }, {passive: false});
-  function fit() {
+  function fit(minScale) {
+    // the whole picture on screen, or (minScale) no smaller than that, from the top
     var gw = +svg.getAttribute("data-width"), gh = +svg.getAttribute("data-height");
     var r = svg.getBoundingClientRect();
     if (!gw || !gh || !r.width || !r.height) return;
-    view.k = Math.max(0.2, Math.min(1.5, Math.min(r.width / gw, r.height / gh)));
+    var floor = typeof minScale === "number" ? minScale : 0.05;
+    view.k = Math.max(floor, Math.min(1.5, Math.min(r.width / gw, r.height / gh)));
     view.x = (r.width - gw * view.k) / 2;
     view.y = Math.max(0, (r.height - gh * view.k) / 2);
     applyView();
   }
-  document.getElementById("fit").addEventListener("click", fit);
+  document.getElementById("fit").addEventListener("click", function () { fit(); });
   function centre(selector) {
     var e = root.querySelector(selector);
     if (!e) return;
@@ -321,6 +326,7 @@
     for (var c = clusters[n.cluster]; c; c = c.parent) expanded[c.path] = true;
     selected = name;
     draw();
+    view.k = Math.max(view.k, 1);  // readable at the node
     centre('[data-node="' + cssEscape(name) + '"]');
     showNode(n);
     return true;
@@ -438,7 +444,7 @@
   document.getElementById("module-count").textContent = String(Object.keys(clusters).length - 1);
 
   draw();
-  fit();
+  fit(0.6);
   window.fxdebugViewer = {
     expand: expand, collapse: collapse, reveal: reveal, search: search, colourBy: colourBy, select: select, fit: fit,
     nodeCount: function () { return nodes.length; },
