@@ -138,8 +138,8 @@ _PAGE = """<!DOCTYPE html>
 <body>
 <header>
   <h1 id="title"></h1>
-  <span><b id="node-count"></b> graph nodes (<span id="op-count"></span> drawn as boxes, parameters and
-    buffers listed on the ops that read them) in <b id="module-count"></b> modules</span>
+  <span title="parameters and buffers are listed on the ops that read them"><b id="node-count"></b> graph nodes
+    (<span id="op-count"></span> ops and values) in <b id="module-count"></b> modules</span>
   <span id="visible"></span>
   <label>search <input id="search" type="search" placeholder="node name or module path, Enter"></label>
   <label>colour by <select id="colour"><option value="">findings</option></select></label>

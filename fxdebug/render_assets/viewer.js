@@ -265,8 +265,8 @@
     var gg = g.graph();
     svg.setAttribute("data-width", Math.round(gg.width || 0));
     svg.setAttribute("data-height", Math.round(gg.height || 0));
-    document.getElementById("visible").textContent = count + " nodes and " + boxes + " closed modules drawn, layout "
-      + Math.round(lastLayoutMs) + " ms";
+    document.getElementById("visible").textContent = "drawn: " + count + " nodes, " + boxes + " closed modules ("
+      + Math.round(lastLayoutMs) + " ms)";
     applyView();
     return g;
   }
