@@ -17,9 +17,10 @@ or ``group=``) and merges them as if one process had seen all the data:
   variance formula — the population std of the concatenated data); ``mean_abs``, ``zero_frac``:
   count-weighted; ``norm`` (mean per-call L2 norm): call-weighted;
 * ``min`` / ``max``: global; ``nonfinite_first_call``: the earliest;
-* ``dead_frac``: a channel is dead when it was never positive on any rank — exact when the rows
-  carry the per-channel maxima (``chan_max``); otherwise the merged row says ``dead_frac`` is
-  unknown (``None``) rather than guess from per-rank fractions;
+* ``dead_frac``: a channel is dead when it was never positive on any rank — computed from each
+  rank's per-channel maxima (gathered from the fused statistics, or a row's ``chan_max``); where
+  they are missing the merged row says ``dead_frac`` is unknown (``None``) rather than guess from
+  per-rank fractions;
 * the first non-finite origin is ``(call, rank, node)``: the lowest call first, then the lowest
   rank, then execution order (reverse order for gradients, as in the single-process report).
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .errors import DistributedError, UsageError
+from .observe import FusedStats
 from .report import Report
 
 __all__ = ["DistributedReport", "Origin", "merged_report", "unwrap_parallel"]
@@ -146,21 +148,29 @@ def _merge_phase(rows: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
     return out
 
 
-def _merge_rows(per_rank: list[list[dict[str, Any]]]) -> tuple[list[dict[str, Any]], list[str]]:
-    """One merged row per node (rank 0's order), and notes about columns that could not be merged."""
+def _merge_rows(per_rank: list[list[dict[str, Any]]],
+                chan_max: list[dict[str, list[float]]] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """One merged row per node (rank 0's order), and notes about columns that could not be merged.
+
+    ``chan_max``: per rank, ``{node: per-channel maxima}`` (what makes ``dead_frac`` exact); rows
+    may also carry them as ``chan_max``.
+    """
     notes: list[str] = []
     by_node = [{r["node"]: r for r in rows} for rows in per_rank]
+    if chan_max is not None:
+        by_node = [{k: ({**r, "chan_max": maxima[k]} if k in maxima else r) for k, r in m.items()}
+                   for m, maxima in zip(by_node, chan_max)]
     merged: list[dict[str, Any]] = []
     unmerged: set[str] = set()
     for base in per_rank[0]:
         rows = [m[base["node"]] for m in by_node if base["node"] in m]
+        base = rows[0]
         row = {k: base[k] for k in base if k in _SAME}
         row.update(_merge_phase(rows, ""))
         row.update(_merge_phase(rows, "grad_"))
         chans = [r.get("chan_max") for r in rows]
         if all(isinstance(c, (list, tuple)) for c in chans) and len({len(c) for c in chans}) == 1:
             top = [max(vals) for vals in zip(*chans)]
-            row["chan_max"] = top
             row["dead_frac"] = sum(1 for v in top if v <= 0) / len(top) if top else None
         elif any("dead_frac" in r for r in rows):
             row["dead_frac"] = None
@@ -209,6 +219,27 @@ def _local_origin(report: Report, node: str | None, grad: bool) -> tuple[int, st
     return int(call), node, order.index(node) if node in order else len(order), row.get("module", "")
 
 
+def channel_maxima(dbg: Any) -> dict[str, list[float]]:
+    """``{node: per-channel max of its output}`` from the fused statistics, where the node has channels.
+
+    A channel is dead over all ranks only if its max is <= 0 on every rank, which per-rank
+    fractions cannot tell; these maxima can. Empty when the runtime keeps none.
+    """
+    out: dict[str, list[float]] = {}
+    try:
+        for name, obs in dbg.observers().items():
+            rows, clock = getattr(obs, "fused_rows", None), getattr(obs, "_clock", None)
+            if not rows or clock is None or "forward" not in rows:
+                continue
+            fused = rows["forward"]
+            stats = FusedStats.from_table(clock.host_table(), fused[0], (fused[1], fused[2]))
+            if stats.calls and stats.chan_max is not None:
+                out[name] = [float(v) for v in stats.chan_max]
+    except (AttributeError, IndexError, KeyError, TypeError):  # a runtime without fused tables: dead_frac unknown
+        return {}
+    return out
+
+
 def _barrier(group: Any, timeout: datetime.timedelta) -> None:
     backend = dist.get_backend(group)
     try:
@@ -238,6 +269,7 @@ def merged_report(dbg: Any, *, group: Any = None, timeout: float = 60.0) -> Dist
         "first_nonfinite": local.first_nonfinite,
         "fwd": _local_origin(local, local.first_nonfinite, grad=False),
         "bwd": _local_origin(local, local.first_nonfinite_grad, grad=True),
+        "chan_max": channel_maxima(dbg),
     }
     _barrier(group, datetime.timedelta(seconds=timeout))
     gathered: list[Any] = [None] * world
@@ -247,7 +279,7 @@ def merged_report(dbg: Any, *, group: Any = None, timeout: float = 60.0) -> Dist
         raise DistributedError(f"report(all_ranks=True) on rank {rank}: gathering the ranks' statistics failed: "
                                f"{str(exc).strip().splitlines()[0]}. Another rank probably failed.") from exc
     gathered.sort(key=lambda g: g["rank"])
-    rows, notes = _merge_rows([g["rows"] for g in gathered])
+    rows, notes = _merge_rows([g["rows"] for g in gathered], [g["chan_max"] for g in gathered])
     origin = _origin(gathered, "fwd", reverse=False)
     origin_grad = _origin(gathered, "bwd", reverse=True)
     merged = DistributedReport(

@@ -136,15 +136,28 @@ def scenario_collect(rank: int, world: int) -> dict:
 
     torch.manual_seed(0)
     xs = torch.randn(20, 6)
+    xs[:, 0] = -5.0
+    xs[3, 0] = 5.0  # sample 3 goes to rank 1: only there does fc1's channel 1 turn positive
     ds = TensorDataset(xs)
     loader = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=False))
-    dbg = fxdebug.instrument(Net(), [StatCollector()], example_inputs=(xs[:2],))
-    fxdebug.collect(dbg, ([b[0]] for b in loader), progress=False) if hasattr(fxdebug, "collect") else None
+    model = Net()
+    with torch.no_grad():  # channel 0 dead everywhere; channel 1 alive only where x[:, 0] > 1 (sample 3)
+        model.fc1.bias[0] = -100.0
+        model.fc1.weight[1].zero_()
+        model.fc1.weight[1, 0] = 1.0
+        model.fc1.bias[1] = -1.0
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(xs[:2],))
+    fxdebug.collect(dbg, [b[0] for b in loader], progress=False)
     merged = dbg.report(all_ranks=True)
     with torch.no_grad():
         h = dbg.fc1(xs)
-    return {"count": merged.row("fc1")["count"], "mean": merged.row("fc1")["mean"], "true_mean": float(h.double().mean()),
-            "true_std": float(h.double().std(unbiased=False)), "std": merged.row("fc1")["std"]}
+        act = torch.relu(h)
+    row = merged.row("fc1")
+    return {"count": row["count"], "mean": row["mean"], "true_mean": float(h.double().mean()),
+            "true_std": float(h.double().std(unbiased=False)), "std": row["std"], "min": row["min"],
+            "true_min": float(h.min()), "max": row["max"], "true_max": float(h.max()),
+            "dead": merged.row("act")["dead_frac"], "true_dead": float((act.amax(0) <= 0).double().mean()),
+            "local_dead": dbg.report().row("act")["dead_frac"]}
 
 
 SCENARIOS = {"ddp": scenario_ddp, "nan": scenario_nan, "fail": scenario_fail, "fsdp": scenario_fsdp,

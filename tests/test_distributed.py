@@ -104,7 +104,11 @@ def test_merged_statistics_equal_statistics_of_concatenated_data(two_ranks):
     assert collected["count"] == 20 * 8
     assert collected["mean"] == pytest.approx(collected["true_mean"], rel=1e-6)
     assert collected["std"] == pytest.approx(collected["true_std"], rel=1e-6)
-    assert _ok(results[1], "collect", log)["count"] == 20 * 8
+    assert collected["min"] == collected["true_min"] and collected["max"] == collected["true_max"]
+    assert collected["dead"] == collected["true_dead"]  # never positive on the whole data set
+    other = _ok(results[1], "collect", log)
+    assert other["count"] == 20 * 8 and other["dead"] == collected["dead"]
+    assert {collected["local_dead"], other["local_dead"]} != {collected["true_dead"]}  # a rank alone would be wrong
 
 
 def test_planted_nan_on_rank_1_is_named_with_rank_and_call(two_ranks):
