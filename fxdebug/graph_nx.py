@@ -36,8 +36,9 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
         raise ImportError("fxdebug.to_networkx() needs networkx: pip install networkx.") from None
     if not isinstance(gm, GraphModule):
         raise ArgumentTypeError(f"to_networkx() needs a torch.fx.GraphModule (e.g. from fxdebug.trace); got {type(gm).__name__}.")
-    if report is None and callable(getattr(gm, "observers", None)) and gm.observers():
-        report = gm.report()
+    observers, make_report = getattr(gm, "observers", None), getattr(gm, "report", None)
+    if report is None and callable(observers) and callable(make_report) and observers():
+        report = make_report()
     view = build_view(gm, report, show_instrumentation=instrumentation)
     graph = nx.DiGraph(model_type=view.model_type, first_nonfinite=view.first_nonfinite,
                        first_nonfinite_grad=view.first_nonfinite_grad)

@@ -249,6 +249,7 @@ class Instrumented(GraphModule):
         with warnings.catch_warnings():  # copying an export graph's TreeSpecs trips torch's LeafSpec deprecation
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             res = super().__deepcopy__(memo)
+        assert isinstance(res, Instrumented)
         _adopt_hierarchy(res, _Holder(
             OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items()),
             OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._parameters.items()),

@@ -88,7 +88,7 @@ class _Key(Generic[T]):
             return self
         raw = obj.node.meta.get(KEY, {})
         if self.name in raw:
-            return raw[self.name]  # type: ignore[no-any-return]
+            return raw[self.name]
         return list(self.default) if isinstance(self.default, list) else self.default  # type: ignore[return-value]
 
     def __set__(self, obj: "NodeMeta", value: T) -> None:

@@ -185,7 +185,8 @@ def _dot_text(source: str, dot_path: str, out_path: str) -> str:
 
 def _view(gm: GraphModule, report: Any, show_instrumentation: bool, failed: Any) -> GraphView:
     """The view of ``gm``: its graph, or every captured part joined by the data between them."""
-    parts = gm.parts() if callable(getattr(gm, "parts", None)) else {"": gm}
+    get_parts = getattr(gm, "parts", None)
+    parts = get_parts() if callable(get_parts) else {"": gm}
     if list(parts) != [""]:
         return parts_view(gm, report, failed=failed, show_instrumentation=show_instrumentation)
     return build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)

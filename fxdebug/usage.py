@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 from torch.fx import GraphModule
@@ -66,7 +66,7 @@ def where_matches(where: Any, gm: GraphModule) -> bool:
                for n in gm.graph.nodes)
 
 
-def check_where_matched(passes: Sequence[Any], parts: dict[str, GraphModule]) -> None:
+def check_where_matched(passes: Sequence[Any], parts: Mapping[str, GraphModule]) -> None:
     """Every pass given ``where=`` must select some node in some part, else it would do nothing."""
     for p in passes:
         where = getattr(p, "where", None)

@@ -266,7 +266,7 @@ class SubtreeInstrumented(Instrumented):
 
     def recompile(self) -> Any:
         code = super().recompile()
-        type(self).forward = SubtreeInstrumented._eager_forward  # type: ignore[method-assign]
+        type(self).forward = SubtreeInstrumented._eager_forward
         return code
 
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -286,8 +286,13 @@ class SubtreeInstrumented(Instrumented):
 
     def parts(self) -> dict[str, Instrumented]:
         """``{module path: Instrumented}`` for every captured submodule, in execution order."""
-        paths = [n.target for n in self.graph.nodes if n.op == "call_module"]
-        return {str(p): self._shell.get_submodule(str(p)) for p in paths}
+        parts: dict[str, Instrumented] = {}
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                part = self._shell.get_submodule(str(node.target))
+                assert isinstance(part, Instrumented), f"captured part {node.target} is {type(part).__name__}"
+                parts[str(node.target)] = part
+        return parts
 
     def replace_part(self, path: str, new: Instrumented) -> "SubtreeInstrumented":
         if path not in self.parts():
