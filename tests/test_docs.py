@@ -56,3 +56,30 @@ def test_autograd_doc_examples(tmp_path, monkeypatch):
     for block in _blocks("docs/autograd.md"):
         _run(block, ns, "autograd.md")
     assert ns["error"].saved_by == "sigmoid" and ns["hit"].node == "sqrt" and ns["drawn"].channels == 6
+
+
+def test_distributed_doc_example_under_torchrun(tmp_path):
+    """docs/distributed.md's train.py, run as written under torchrun with two CPU processes."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    (tmp_path / "train.py").write_text(_blocks("docs/distributed.md")[0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(port), "train.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert "origin: call 2, rank 1, node 'sqrt'" in out, out
+    assert "each rank alone: ['fc1', 'sqrt']" in out and "from 256 values" in out, out
