@@ -38,7 +38,7 @@ from .render_dot import (
     used_highlights,
 )
 from .render_fold import fold_view
-from .render_html import write_html
+from .render_html import diff_scores, write_html
 from .render_parts import parts_view
 from .render_view import GraphView, build_view
 
@@ -90,8 +90,10 @@ def render(
         fold: fold what a reader does not need as boxes (``render_fold``): parameters onto the ops
             reading them, mask/shape plumbing into the cluster consuming it, and runs of identical
             repeated blocks into one block labelled ``layer.0–11 ×12``. ``False`` draws every node.
-        diff: for ``.html``: a ``fxdebug.diff(...)`` result (or ``{node: number}``) the viewer can
-            colour by, with its first divergent node one click away.
+        diff: a ``fxdebug.diff(report_a, report_b)`` result (or ``{node: number}``) for the graph of
+            report A. The viewer opens coloured by it (a heat map of divergence / (10 rtol)) with the
+            first divergent node one click away; the SVG highlights that node and lists every node's
+            divergence in its tooltip.
 
     Returns the path of the picture. Raises ``FxDebugError`` (after writing the ``.dot``) when
     graphviz's ``dot`` is not installed, saying how to install it.
@@ -112,14 +114,14 @@ def render(
     if fmt in ("html", "htm"):
         gm, report = _resolve(model_or_gm, example_inputs, report)
         return write_html(_view(gm, report, show_instrumentation, failed), out_path, diff=diff)
-    if diff is not None:
-        raise UsageError("diff= colours the interactive viewer; write an .html file to use it.")
     if fmt not in _FORMATS:
         raise UsageError(f"render() writes {', '.join(_FORMATS)}; {out_path!r} ends in {ext!r}. Use e.g. 'model.svg'.")
     if not ext:
         out_path += ".svg"
     gm, report = _resolve(model_or_gm, example_inputs, report)
     view = _view(gm, report, show_instrumentation, failed)
+    if diff is not None:
+        mark_diff(view, diff)
     if fold:
         fold_view(view)
     dot_path = stem + ".dot"
@@ -131,6 +133,19 @@ def render(
         f.write(source)
     run_dot(dot_path, out_path, fmt)
     return out_path
+
+
+def mark_diff(view: GraphView, diff: Any) -> None:
+    """Put a ``fxdebug.diff`` result on the picture: each node's divergence in its tooltip, the
+    first divergent node highlighted as a failed check (and so drawn open)."""
+    _, texts, first = diff_scores(diff)
+    for name, text in texts.items():
+        v = view.nodes.get(name)
+        if v is not None:
+            v.notes.append(text)
+    if first in view.nodes:
+        view.nodes[first].failed = f"first divergent node: {texts.get(first, '')}".rstrip(": ")
+        view.failed_message = view.failed_message or f"first divergent node: {first} ({texts.get(first, '')})"
 
 
 def svg_size(svg: str) -> tuple[float, float]:

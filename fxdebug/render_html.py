@@ -24,10 +24,11 @@ import os
 from importlib import resources
 from typing import Any
 
+from .errors import UsageError
 from .render_fold import fold_asserts, fold_params, focus_paths, place_plumbing
 from .render_view import GraphView, VisNode
 
-__all__ = ["ASSETS", "PLUMBING_CLUSTER", "html_data", "viewer_html", "write_html"]
+__all__ = ["ASSETS", "PLUMBING_CLUSTER", "diff_scores", "html_data", "viewer_html", "write_html"]
 
 ASSETS = ("dagre.min.js", "viewer.js", "viewer.css", "dagre-LICENSE")
 """The files under ``fxdebug/render_assets`` the page is built from (shipped as package data)."""
@@ -79,26 +80,35 @@ def _node(v: VisNode, index: dict[str, int], hidden: bool) -> dict[str, Any]:
     }
 
 
-def _diff_values(diff: Any) -> tuple[dict[str, float], str | None, str]:
-    """``({node: value}, first divergent node, label)`` from a ``fxdebug.diff`` result or a mapping."""
+def diff_scores(diff: Any) -> tuple[dict[str, float], dict[str, str], str | None]:
+    """``({node: score in [0, 1]}, {node: description}, first divergent)`` from ``diff=``.
+
+    ``diff`` is a ``fxdebug.diff(...)`` result (``Diff``: divergence per node of report A, its
+    ``rtol``) or a plain ``{node: number}``. A ``Diff``'s divergence is scaled as
+    ``min(1, divergence / (10 * rtol))`` (``inf``, a shape or NaN/Inf mismatch, is 1); a plain
+    mapping is scaled by its largest finite value.
+    """
     if diff is None:
-        return {}, None, ""
+        return {}, {}, None
     if isinstance(diff, dict):
-        return {str(k): float(v) for k, v in diff.items() if isinstance(v, (int, float))}, None, "diff"
-    rows = getattr(diff, "rows", None)
-    if rows is None:
-        raise TypeError(f"diff= takes a fxdebug.diff(...) result (with .rows) or a {{node: number}} dict; got "
-                        f"{type(diff).__name__}.")
-    key = getattr(diff, "key", None)
-    values: dict[str, float] = {}
-    for row in rows:
-        if key is None:
-            key = next((k for k, v in row.items() if k != "node" and isinstance(v, (int, float))
-                        and not isinstance(v, bool)), None)
-        v = row.get(key) if key is not None else None
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            values[str(row["node"])] = float(v)
-    return values, getattr(diff, "first_divergent", None), str(key or "diff")
+        finite = [float(v) for v in diff.values() if isinstance(v, (int, float)) and math.isfinite(v)]
+        top = max(finite, default=0.0) or 1.0
+        scores = {str(k): (1.0 if not math.isfinite(float(v)) else max(0.0, float(v)) / top)
+                  for k, v in diff.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        return scores, {k: f"diff {_jsonable(float(v))}" for k, v in diff.items() if k in scores}, None
+    divergence = getattr(diff, "node_divergence", None)
+    if not callable(divergence):
+        raise UsageError(f"diff= takes a fxdebug.diff(report_a, report_b) result or a {{node: number}} dict; "
+                         f"got {type(diff).__name__}.")
+    rtol = float(getattr(diff, "rtol", 0.0) or 0.0) or 1e-12
+    scores, texts = {}, {}
+    for node, div in divergence("a").items():
+        div = float(div)
+        scores[node] = 1.0 if not math.isfinite(div) else min(1.0, max(0.0, div) / (10 * rtol))
+        row = diff.row(node) if callable(getattr(diff, "row", None)) else {}
+        detail = f" ({row.get('column')}: {row.get('a')} vs {row.get('b')})" if row.get("column") else ""
+        texts[node] = f"diverges {div:.3g}{detail}" + (" — beyond rtol" if div > rtol else "")
+    return scores, texts, getattr(diff, "first_divergent", None)
 
 
 def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
@@ -109,7 +119,7 @@ def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
     place_plumbing(view)
     view.focus = focus_paths(view)
     index = {name: i for i, name in enumerate(everything)}
-    values, first_divergent, label = _diff_values(diff)
+    values, texts, first_divergent = diff_scores(diff)
     return {
         "model": view.model_type,
         "nodes": [_node(v, index, name not in view.nodes) for name, v in everything.items()],
@@ -121,8 +131,9 @@ def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
         "failed_message": view.failed_message,
         "calls": view.calls,
         "diff": values or None,
+        "diff_text": texts or None,
         "diff_first": first_divergent,
-        "diff_label": label,
+        "diff_label": "divergence",
     }
 
 

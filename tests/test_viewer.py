@@ -203,3 +203,32 @@ def test_ten_thousand_nodes_open_lazily(browser: Any, tmp_path: Path) -> None:
     assert len(drawn(browser)) < 400  # revealing one node opened its path, not the graph
     browser.find_element(By.ID, "search").send_keys("_12_3_lin\n")
     assert "_12_3_lin" in {e.get_attribute("data-hit") for e in browser.find_elements(By.CSS_SELECTOR, "#results [data-hit]")}
+
+
+def test_viewer_colours_by_a_run_diff(browser: Any, tmp_path: Path) -> None:
+    from fxdebug.demo import demo_batches, demo_model
+
+    x = demo_batches(1)[0]
+    runs = []
+    for scale in (1.0, 1.5):  # run B: stage1's conv weights scaled, so stage1_conv is where they part
+        model = demo_model()
+        with torch.no_grad():
+            model.stage1.conv.weight.mul_(scale)
+        dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+        with torch.no_grad():
+            dbg(x)
+        runs.append(dbg)
+    d = fxdebug.diff(runs[0].report(), runs[1].report())
+    assert d.first_divergent == "stage1_conv"
+    open_page(browser, runs[0].render(str(tmp_path / "diff.html"), diff=d))
+    assert browser.find_element(By.ID, "colour").get_attribute("value") == "diff:divergence"  # opens coloured
+    before = browser.find_element(By.CSS_SELECTOR, '[data-node="stem_0"] rect').get_attribute("style") or ""
+    after = browser.find_element(By.CSS_SELECTOR, '[data-node="stage2_conv"] rect').get_attribute("style")
+    assert "fill" in after and after != before  # diverged nodes are hotter than those before the change
+    button = browser.find_element(By.CSS_SELECTOR, '[data-finding="stage1_conv"]')
+    assert "first divergent" in button.text
+    button.click()
+    assert "diverges" in browser.find_element(By.ID, "details").text
+    svg = runs[0].render(str(tmp_path / "diff.svg"), diff=d)
+    text = Path(svg).read_text(encoding="utf-8")
+    assert "first divergent node: stage1_conv" in text

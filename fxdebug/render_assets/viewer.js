@@ -86,6 +86,7 @@
     return n.stats ? n.stats[key] : undefined;
   }
   function computeRange(key) {
+    if (key.indexOf("diff:") === 0) return {lo: 0, hi: 1};  // scores: divergence / (10 rtol), capped at 1
     var vals = [];
     shownNodes.forEach(function (n) { var v = valueOf(n, key); if (numeric(v)) vals.push(v); });
     if (!vals.length) return null;
@@ -368,7 +369,7 @@
     Object.keys(n.stats || {}).sort().forEach(function (k) {
       if (!DATA.columns.some(function (c) { return c.key === k; })) row(t, k, fmt(n.stats[k]));
     });
-    if (DATA.diff && n.name in DATA.diff) row(t, "diff", fmt(DATA.diff[n.name]));
+    if (DATA.diff_text && n.name in DATA.diff_text) row(t, "diff", DATA.diff_text[n.name], DATA.diff_first === n.name ? "bad" : "");
     if (n.probes && n.probes.length) row(t, "observed by", n.probes.join(", "));
     if (n.added_by) row(t, "added by pass", n.added_by);
     if (n.changed_by && n.changed_by.length) row(t, "changed by pass", n.changed_by.join(", "));
@@ -443,6 +444,7 @@
   document.getElementById("op-count").textContent = String(shownNodes.length);
   document.getElementById("module-count").textContent = String(Object.keys(clusters).length - 1);
 
+  if (DATA.diff) { colourKey = keys[0]; range = computeRange(colourKey); choose.value = colourKey; }
   draw();
   fit(0.6);
   window.fxdebugViewer = {
