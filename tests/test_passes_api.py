@@ -31,6 +31,21 @@ def test_writing_passes_doc_example_runs_and_is_short():
     assert dbg.report().row("_1")["zeros"] == int((relu_out == 0).sum())
 
 
+def test_insert_before_doc_example_guards_every_module_call():
+    blocks = _doc_blocks("writing-passes.md")
+    namespace: dict = {"__name__": "__main__"}  # as in the user's script: FX names functions by module
+    for i, block in enumerate(blocks[:3]):
+        exec(compile(block.replace("print(", "_ = ("), f"writing-passes.md[{i}]", "exec"), namespace)
+    dbg, x, guard = namespace["dbg"], namespace["x"], namespace["finite_input"]
+    order = [n.name for n in dbg.graph.nodes]
+    guards = [n for n in dbg.graph.nodes if n.target is guard]
+    assert [g.args[1] for g in guards] == ["_0", "_1", "_2"]
+    assert all(order.index(g.name) < order.index(g.args[1]) for g in guards)
+    assert dbg.report().ok
+    with pytest.raises(FloatingPointError, match="_0 got a non-finite input"):
+        dbg(torch.full_like(x, float("nan")))
+
+
 def test_custom_pass_through_instrument_counts_and_provenance():
     zero_count = _load_zero_count()
     model, (x,) = ZOO["residual_cnn"]()
