@@ -87,17 +87,29 @@ def scenario_nan(rank: int, world: int) -> dict:
 
 
 def scenario_fail(rank: int, world: int) -> dict:
-    """Rank 1 fails mid-step; rank 0 must get a clear DistributedError from report(all_ranks=True)."""
+    """Rank 1 dies in the middle of a DDP step (after its forward, before its backward).
+
+    Rank 0's backward all-reduce then fails instead of hanging (gloo sees the closed connection,
+    or the process-group timeout expires), and report(all_ranks=True) raises a DistributedError.
+    """
     torch.manual_seed(0)
     dbg = fxdebug.instrument(Net(), [StatCollector()], example_inputs=(data(rank, 0),))
-    dbg(data(rank, 1))
-    if rank == 1:
-        raise SystemExit(3)  # dies before the merge (a crash in the middle of a step)
+    ddp = DDP(dbg)
+    out: dict = {"step_error": None}
+    for step in range(3):
+        loss = ddp(data(rank, step)).square().mean()
+        if rank == 1 and step == 1:
+            raise SystemExit(3)  # dies mid-step
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            out["step_error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+            break
     try:
         dbg.report(all_ranks=True, timeout=3.0)
     except fxdebug.DistributedError as exc:
-        return {"error": str(exc), "type": type(exc).__name__}
-    return {"error": None}
+        return {**out, "error": str(exc), "type": type(exc).__name__}
+    return {**out, "error": None}
 
 
 def scenario_fsdp(rank: int, world: int) -> dict:
