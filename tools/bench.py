@@ -15,6 +15,9 @@ graph plus exactly one ``sum`` over every activation variant 4 observes — the 
 collector can do. Also: trace and instrument time and peak memory on the ~2,000-node graph, and
 render time and SVG size at the default depth.
 
+``--suite debug`` runs the debugging-size suite instead (``tools/bench_debug.py``: ≥10 real
+architectures at batch 1–2, one thread, side by side with seed-style and one-sum hooks).
+
 The table is printed and written to ``--out``. ``--quick`` shrinks the models and runs so the
 whole thing finishes in well under a minute; it skips ``torch.compile`` unless ``--compile``.
 """
@@ -315,6 +318,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--suite" in argv:  # ``--suite debug``: the debugging-size suite (tools/bench_debug.py)
+        i = argv.index("--suite")
+        suite, rest = (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2:]
+        if suite != "debug":
+            raise SystemExit(f"bench.py: unknown suite {suite!r}; the suites are: debug (or none: the full-size runs)")
+        import bench_debug
+
+        return bench_debug.run(bench_debug.parse(rest), machine)
     args = parse(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 __all__ = [
-    "MODELS", "Bottleneck", "ResNetStyle", "SyntheticGraph", "ViTStyle", "collector_passes", "count_graph_breaks",
-    "deep_mlp", "hooked_copy", "limit_proxy", "passes_available", "peak_delta_mib", "synchronize",
+    "DEBUG_MODELS", "MODELS", "BasicBlock", "Bottleneck", "ResNet18Style", "ResNetStyle", "SyntheticGraph", "ViTStyle", "collector_passes", "count_graph_breaks",
+    "deep_mlp", "hooked_copy", "limit_proxy", "passes_available", "peak_delta_mib", "sum_hooked_copy", "synchronize",
 ]
 
 
@@ -202,6 +202,132 @@ MODELS: dict[str, Callable[[bool], tuple[nn.Module, tuple[Tensor, ...]]]] = {
     "mlp-100x1024": _eval(_mlp),
     "graph-2000": _eval(_graph),
 }
+
+
+# -- the debugging-size suite: real architectures at the sizes people debug with --------------------
+class BasicBlock(nn.Module):
+    """ResNet-18's block: two 3×3 convs with batch-norm, identity or projected shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: Tensor) -> Tensor:
+        idt = x if self.down is None else self.down(x)
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(y)) + idt)
+
+
+class ResNet18Style(nn.Module):
+    """ResNet-18's layout (stages [2, 2, 2, 2], widths 64–512)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        layers, cin = [], 64
+        for i, w in enumerate((64, 128, 256, 512)):
+            layers += [BasicBlock(cin, w, 2 if i else 1), BasicBlock(w, w, 1)]
+            cin = w
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.layers(self.stem(x)), 1), 1))
+
+
+def _tokens(vocab: int = 1000, batch: int = 2, length: int = 16) -> Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model returning only its main output tensor (logits / last hidden state),
+    with its other inputs fixed: what a debugging session calls, and what ``.sum().backward()``
+    can differentiate."""
+
+    def __init__(self, model: nn.Module, key: str, **fixed: Tensor) -> None:
+        super().__init__()
+        self.model, self.key = model, key
+        for name, t in fixed.items():
+            self.register_buffer(name, t, persistent=False)
+        self._fixed = list(fixed)
+
+    def forward(self, x: Tensor) -> Tensor:
+        extra = {k: getattr(self, k) for k in self._fixed}
+        return getattr(self.model(x, **extra, return_dict=True), self.key)
+
+
+def _hf(name: str) -> tuple[nn.Module, tuple[Tensor, ...]]:
+    import transformers as tr
+
+    d = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+    if name == "bert":
+        m = tr.BertModel(tr.BertConfig(vocab_size=1000, max_position_embeddings=64, **d))
+        return _Logits(m, "last_hidden_state"), (_tokens(),)
+    if name == "gpt2":
+        m = tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=1000, n_positions=64, n_embd=64, n_layer=2, n_head=2))
+        return _Logits(m, "logits"), (_tokens(),)
+    if name == "llama":
+        m = tr.LlamaForCausalLM(tr.LlamaConfig(vocab_size=1000, max_position_embeddings=64, num_key_value_heads=2, **d))
+        return _Logits(m, "logits"), (_tokens(),)
+    if name == "t5":
+        m = tr.T5ForConditionalGeneration(tr.T5Config(vocab_size=1000, d_model=64, d_kv=32, d_ff=128, num_layers=2,
+                                                      num_decoder_layers=2, num_heads=2))
+        return _Logits(m, "logits", decoder_input_ids=_tokens(length=8)), (_tokens(),)
+    if name == "vit":
+        m = tr.ViTModel(tr.ViTConfig(image_size=32, patch_size=8, num_channels=3, **d), add_pooling_layer=False)
+        return _Logits(m, "last_hidden_state"), (torch.randn(2, 3, 32, 32),)
+    raise KeyError(name)
+
+
+def _zoo(name: str) -> tuple[nn.Module, tuple[Tensor, ...]]:
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parent.parent / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from zoo import ZOO  # tests/zoo.py: the shared model zoo
+
+    model, inputs = ZOO[name]()
+    return model, tuple(inputs)
+
+
+DEBUG_MODELS: dict[str, Callable[[bool], tuple[nn.Module, tuple[Tensor, ...]]]] = {
+    "resnet50-style 2x3x112x112": _eval(lambda q: (ResNetStyle(), (torch.randn(2, 3, 112, 112),))),
+    "resnet18-style 1x3x64x64": _eval(lambda q: (ResNet18Style(), (torch.randn(1, 3, 64, 64),))),
+    "vit-s-style 2 blocks 1x3x64x64": _eval(lambda q: (ViTStyle(depth=2, image=64, patch=16), (torch.randn(1, 3, 64, 64),))),
+    "hf bert 2L d64 2x16": _eval(lambda q: _hf("bert")),
+    "hf gpt2 2L d64 2x16": _eval(lambda q: _hf("gpt2")),
+    "hf llama 2L d64 2x16": _eval(lambda q: _hf("llama")),
+    "hf t5 2+2L d64 2x16": _eval(lambda q: _hf("t5")),
+    "hf vit 2L d64 2x3x32x32": _eval(lambda q: _hf("vit")),
+    "mlp 20x256 batch 2": _eval(lambda q: (deep_mlp(layers=20, width=256), (torch.randn(2, 256),))),
+    "zoo residual_cnn": _eval(lambda q: _zoo("residual_cnn")),
+    "zoo transformer_block": _eval(lambda q: _zoo("transformer_block")),
+    "zoo functional_ops": _eval(lambda q: _zoo("functional_ops")),
+}
+"""Debugging sizes (batch 1–2, tiny configs, random weights): the suite ``bench.py --suite debug`` runs."""
+
+
+def sum_hooked_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with a forward hook on every leaf module doing one ``sum`` (no sync)."""
+    model = copy.deepcopy(model)
+
+    def hook(mod: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(out, Tensor) and out.is_floating_point():
+            out.detach().sum()
+
+    for m in _leaves(model):
+        m.register_forward_hook(hook)
+    return model
 
 
 # -- the variants fxdebug is compared with ---------------------------------------------------------
