@@ -190,6 +190,7 @@ def patched_for_tracing(tracer: Any, root: nn.Module, *, on_write: str = "raise"
     _ACTIVE.on_write = on_write
     _ACTIVE.writes = [] if prev[1] is None else getattr(_ACTIVE, "writes", [])
     _ACTIVE.functions = [] if prev[1] is None else getattr(_ACTIVE, "functions", [])
+    _ACTIVE.reads = {} if prev[1] is None else getattr(_ACTIVE, "reads", {})
     with _LOCK:
         if _depth == 0:
             _install()
@@ -204,6 +205,7 @@ def patched_for_tracing(tracer: Any, root: nn.Module, *, on_write: str = "raise"
         if tracer is not None:
             tracer.fxdebug_writes = list(_ACTIVE.writes)
             tracer.fxdebug_functions = list(_ACTIVE.functions)
+            tracer.fxdebug_reads = dict(_ACTIVE.reads)
         _ACTIVE.tracer, _ACTIVE.modules, _ACTIVE.on_write = prev
 
 
@@ -222,6 +224,12 @@ def caller_location() -> str | None:
             return f"{os.path.basename(filename)}:{frame.f_lineno} `{code}`"
         frame = frame.f_back
     return None
+
+
+def attribute_reads() -> dict[tuple[int, str], tuple[nn.Module, Any]]:
+    """Plain attributes (flags, sizes, modes) forward read in the current patch scope: what the
+    captured graph may have been specialised to (``if self.use_cache:``), with the values seen."""
+    return dict(getattr(_ACTIVE, "reads", {}))
 
 
 def writes_and_functions() -> tuple[list[tuple[nn.Module, str, str | None]], list[tuple[type, str | None]]]:
@@ -248,18 +256,22 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
         (autocast, "__enter__", _autocast_enter),
         (autocast, "__exit__", _autocast_exit),
         (nn.Module, "__setattr__", _setattr),
+        (nn.Module, "__getattribute__", _getattribute),
     ]
 
 
 def _install() -> None:
     for owner, name, replacement in _targets():
-        _ORIGINALS[(owner, name)] = owner.__dict__[name]
+        _ORIGINALS[(owner, name)] = owner.__dict__.get(name, _MISSING)
         setattr(owner, name, replacement)
 
 
 def _uninstall() -> None:
     for (owner, name), original in _ORIGINALS.items():
-        setattr(owner, name, original)
+        if original is _MISSING:
+            delattr(owner, name)  # nn.Module has no __getattribute__ of its own: object's serves again
+        else:
+            setattr(owner, name, original)
     _ORIGINALS.clear()
 
 
@@ -353,6 +365,16 @@ def _autocast_exit(self: Any, *exc: Any) -> Any:
 
 
 _FX_NAMES = ("_tensor_constant", "_fx_", "_param_constant")
+_get = object.__getattribute__
+
+
+def _getattribute(self: nn.Module, name: str) -> Any:
+    value = _get(self, name)
+    if type(value) in _PLAIN and name not in _MODULE_INTERNALS:
+        modules = getattr(_ACTIVE, "modules", None)
+        if modules is not None and id(self) in modules and name in _get(self, "__dict__"):
+            _ACTIVE.reads.setdefault((id(self), name), (self, value))
+    return value
 
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:

@@ -22,14 +22,14 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import OrderedDict
-from typing import Iterator
+from typing import Any, Iterator
 
 from torch import nn
 
 from .errors import TraceError
-from .faithful import has_call_hooks, patched_for_tracing, writes_and_functions
+from .faithful import attribute_reads, has_call_hooks, patched_for_tracing, writes_and_functions
 
-__all__ = ["export_shell", "watched_export"]
+__all__ = ["ExportWatch", "export_shell", "watched_export"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
                "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
@@ -56,17 +56,32 @@ def _check_hooks(model: nn.Module) -> None:
                 module=path, op=type(module).__name__)
 
 
+class ExportWatch(list):  # type: ignore[type-arg]
+    """What ``watched_export`` saw: the refusals (the list itself, first one first) and ``guards``,
+    the plain attributes forward read as ``(module path, name, value)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.guards: list[tuple[str, str, Any]] = []
+
+    @property
+    def problems(self) -> list[TraceError]:
+        return self
+
+
 @contextlib.contextmanager
-def watched_export(model: nn.Module) -> Iterator[list[TraceError]]:
-    """Around ``torch.export``: collects, in the yielded list, what the export got wrong (see above)."""
+def watched_export(model: nn.Module) -> Iterator[ExportWatch]:
+    """Around ``torch.export``: collects what the export got wrong (see above) and what it read."""
     _check_hooks(model)
-    problems: list[TraceError] = []
+    watch = ExportWatch()
+    problems = watch.problems
     paths = {id(m): p for p, m in model.named_modules()}
     with patched_for_tracing(None, model, on_write="record"):
         try:
-            yield problems
+            yield watch
         finally:
             writes, functions = writes_and_functions()
+            watch.guards = [(paths[k[0]], k[1], v) for k, (_, v) in attribute_reads().items() if k[0] in paths]
     for cls, where in functions:
         at = f" at {where}" if where else ""
         problems.append(TraceError(

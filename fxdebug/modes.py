@@ -38,12 +38,28 @@ _LOCK = threading.RLock()
 ModeKey = tuple[bool, ...]
 
 
+Guards = list[tuple[nn.Module, str, Any]]  # (module, attribute, value the capture saw)
+
+
+@dataclass
+class Capture:
+    """One graph, the training flags it was captured under and the plain attributes it read."""
+
+    flags: ModeKey
+    guards: Guards
+    graph: Graph
+    space: nn.Module | None
+    meta: Any
+
+
 @dataclass
 class Recipe:
     """How an instrumented module was captured, so that it can be captured again in other modes.
 
     ``frontend`` is ``""`` where the module itself is never re-captured (the eager root of the
-    subtrees frontend: its captured parts carry their own recipes).
+    subtrees frontend: its captured parts carry their own recipes). ``current`` is the capture
+    installed now; ``captures`` every one made so far (a graph holds for the flags it was
+    captured under and whatever values of attributes it never read).
     """
 
     model: nn.Module
@@ -52,23 +68,54 @@ class Recipe:
     options: dict[str, Any]
     passes: list[Any]
     modules: list[nn.Module]
-    key: ModeKey
     instrument: Any = None  # fxdebug.instrument (passed in: this module sits below api.py)
     part_inputs: dict[str, Any] = field(default_factory=dict)  # subtrees: each part's recorded inputs
     part: bool = False  # a captured submodule of the subtrees frontend (it stands in for ``model``)
-    captures: dict[ModeKey, tuple[Graph, nn.Module | None, dict[str, Any]]] = field(default_factory=dict)
+    current: Capture | None = None
+    captures: list[Capture] = field(default_factory=list)
 
 
 def recipe(gm: nn.Module) -> Recipe | None:
     return gm.__dict__.get(_ATTR)
 
 
+_MISSING = object()
+
+
 def mode_key(root_training: bool, modules: Sequence[nn.Module]) -> ModeKey:
+    """The training flags of the root and of every submodule, in order."""
     return (root_training, *(m.training for m in modules))
+
+
+def _holds(guards: Guards) -> bool:
+    for m, name, value in guards:
+        now = m.__dict__.get(name, _MISSING)
+        if now is not value and (type(now) is not type(value) or now != value):
+            return False
+    return True
+
+
+def _guards_of(record: Any, model: nn.Module) -> Guards:
+    info = record.get("trace") if hasattr(record, "get") else None
+    out = []
+    for path, name, value in getattr(info, "guards", ()):
+        try:
+            out.append((model.get_submodule(path), name, value))
+        except AttributeError:
+            continue
+    return out
 
 
 def _descendants(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if name]
+
+
+def _install_recipe(gm: nn.Module, rec: Recipe) -> None:
+    meta = gm.meta.get("fxdebug", {})
+    rec.current = Capture(mode_key(gm.training, rec.modules), _guards_of(meta, rec.model), gm.graph,
+                          gm._modules.get(NAMESPACE), meta)
+    rec.captures = [rec.current]
+    object.__setattr__(gm, _ATTR, rec)
 
 
 def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inputs: Any,
@@ -83,14 +130,13 @@ def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inp
     parts = gm.parts() if hasattr(gm, "parts") else {"": gm}  # type: ignore[operator]
     top = frontend if frontend in ("symbolic", "export") else ""
     previous = recipe(gm)
-    rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model),
-                 mode_key(gm.training, _descendants(model)), instrument)
+    rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model), instrument)
     if top:
-        _store(gm, rec)
+        _install_recipe(gm, rec)
         return
     rec.part_inputs = dict(previous.part_inputs) if previous is not None else {}
     known = rec.part_inputs
-    _store(gm, rec)
+    _install_recipe(gm, rec)
     from .tracing import Inputs
 
     for path, part in parts.items():
@@ -105,13 +151,9 @@ def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inp
                   if isinstance(x, type) or str(x).startswith(prefix)]
         sub = {**options, "leaf_modules": leaves}
         frontend_of_part = part.trace_info.frontend
-        _store(part, Recipe(module, frontend_of_part if inputs is not None or frontend_of_part == "symbolic" else "",
-                            inputs, sub, list(passes), _descendants(module),
-                            mode_key(part.training, _descendants(module)), instrument, part=True))
-
-
-def _store(gm: nn.Module, rec: Recipe) -> None:
-    object.__setattr__(gm, _ATTR, rec)
+        _install_recipe(part, Recipe(
+            module, frontend_of_part if inputs is not None or frontend_of_part == "symbolic" else "",
+            inputs, sub, list(passes), _descendants(module), instrument, part=True))
 
 
 def follow_mode(gm: nn.Module, mode: bool) -> None:
@@ -129,38 +171,38 @@ def follow_mode(gm: nn.Module, mode: bool) -> None:
 def ensure_mode(gm: nn.Module) -> None:
     """Before a call: make sure ``gm`` runs the graph captured for the modes its modules are in now."""
     rec = gm.__dict__.get(_ATTR)
-    if rec is None or not rec.frontend:
+    if rec is None or not rec.frontend or rec.current is None:
         return
-    key = mode_key(gm.training, rec.modules)
-    if key == rec.key:
+    flags = mode_key(gm.training, rec.modules)
+    if flags == rec.current.flags and _holds(rec.current.guards):
         return
     with _LOCK:
-        if key != rec.key:
-            _switch(gm, rec, key)
+        if not (flags == rec.current.flags and _holds(rec.current.guards)):
+            _switch(gm, rec, flags)
 
 
-def _switch(gm: nn.Module, rec: Recipe, key: ModeKey) -> None:
-    rec.captures[rec.key] = (gm.graph, gm._modules.get(NAMESPACE), gm.meta.get("fxdebug", {}))
-    stored = rec.captures.get(key)
-    if stored is None:
-        stored = _capture(gm, rec, key)
-        rec.captures[key] = stored
-    graph, space, meta = stored
-    if space is None:
+def _switch(gm: nn.Module, rec: Recipe, flags: ModeKey) -> None:
+    found = next((c for c in rec.captures if c.flags == flags and _holds(c.guards)), None)
+    if found is None:
+        found = _capture(gm, rec, flags)
+        rec.captures.append(found)
+    if found.space is None:
         gm._modules.pop(NAMESPACE, None)
     else:
-        gm._modules[NAMESPACE] = space
-    gm.graph = graph  # recompiles
-    gm.meta["fxdebug"] = meta
-    rec.key = key
+        gm._modules[NAMESPACE] = found.space
+    gm.graph = found.graph  # recompiles
+    gm.meta["fxdebug"] = found.meta
+    rec.current = found
 
 
-def _capture(gm: nn.Module, rec: Recipe, key: ModeKey) -> tuple[Graph, nn.Module | None, dict[str, Any]]:
+def _capture(gm: nn.Module, rec: Recipe, flags: ModeKey) -> Capture:
     instrument = rec.instrument
+    before = rec.current
+    assert before is not None
     shell = copy.copy(rec.model)  # shares children, parameters, buffers; carries the root's new flag
-    object.__setattr__(shell, "training", key[0])
-    was = "training" if rec.key[0] else "eval"
-    now = "training" if key[0] else "eval"
+    object.__setattr__(shell, "training", flags[0])
+    was = "training" if before.flags[0] else "eval"
+    now = "training" if flags[0] else "eval"
     try:
         with torch.enable_grad(), torch.autocast("cpu", enabled=False), _no_cuda_autocast():
             new = instrument(shell, rec.passes, rec.inputs, frontend=rec.frontend, **rec.options)
@@ -171,15 +213,22 @@ def _capture(gm: nn.Module, rec: Recipe, key: ModeKey) -> tuple[Graph, nn.Module
             "the mode you run it in.", module="", op=type(rec.model).__name__) from exc
     meta = new.meta.get("fxdebug", {})
     same = new.graph.python_code("self").src == gm.graph.python_code("self").src
-    changed = sum(a != b for a, b in zip(rec.key, key))
-    note = (f"modes: captured again by {rec.frontend} when called in {now} mode ({changed} module flag(s) changed); "
-            + ("the graph is the same as the other mode's: it does not depend on the training flag" if same else
-               "the graph differs from the other mode's: it depends on the training flag; each mode runs its own"))
+    changed = sum(a != b for a, b in zip(before.flags, flags))
+    attrs = [f"{_path(rec.model, m)}.{n}".lstrip(".") for m, n, v in before.guards if not _holds([(m, n, v)])]
+    why = f"{changed} module flag(s) changed" + (f"; attributes changed: {', '.join(attrs)}" if attrs else "")
+    cause = "those attributes" if attrs and not changed else "the training flag"
+    note = (f"modes: captured again by {rec.frontend} when called in {now} mode ({why}); "
+            + (f"the graph is the same as before: it does not depend on {cause}" if same else
+               f"the graph differs from the one before: it depends on {cause}; each set of modes runs its own graph"))
     for record in (meta, gm.meta.get("fxdebug", {})):  # both modes' reports say it
         info = record.get("trace") if hasattr(record, "get") else None
         if info is not None and note not in info.notes:
             info.notes.append(note)
-    return new.graph, new._modules.get(NAMESPACE), meta
+    return Capture(flags, _guards_of(meta, rec.model), new.graph, new._modules.get(NAMESPACE), meta)
+
+
+def _path(model: nn.Module, module: nn.Module) -> str:
+    return next((p for p, m in model.named_modules() if m is module), "?")
 
 
 class _no_cuda_autocast:

@@ -34,6 +34,7 @@ __all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inp
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXDEBUG_DIR = os.path.dirname(__file__)
+_TRACER_FILES = frozenset(os.path.join(_FXDEBUG_DIR, f) for f in ("tracing.py", "faithful.py"))
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class TraceInfo:
     coverage: dict[str, float] = field(default_factory=dict)
     eager_modules: dict[str, str] = field(default_factory=dict)
     captured: dict[str, str] = field(default_factory=dict)
+    # plain attributes forward read while being captured ((module path, name, value)): a graph may be
+    # specialised to them (``if self.use_cache:``); fxdebug.modes captures again when one changes
+    guards: list[tuple[str, str, Any]] = field(default_factory=list)
 
 
 class _FailureLocatingTracer(Tracer):
@@ -121,6 +125,9 @@ def _user_frame_text() -> str | None:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
+        if filename in _TRACER_FILES:  # the tracer's own hooks (call_module, patched calls) sit
+            frame = frame.f_back       # between an op and the user's forward: look past them
+            continue
         if filename.startswith(_FXDEBUG_DIR):
             # reached fxdebug's own call into the tracer: no user code defines this op (a layer of a
             # root nn.Sequential); the line calling instrument() would be a wrong answer
@@ -268,6 +275,9 @@ def _trace_with_leaves(
                 info.notes.append(f"pinned forward arguments to their defaults: {sorted(fixed)}")
                 continue
             raise _trace_error(model, failed, exc, auto_leaf) from exc
+        paths = {id(m): p for p, m in model.named_modules()}
+        info.guards = [(paths[key[0]], key[1], value) for key, (_, value) in tracer.fxdebug_reads.items()
+                       if key[0] in paths]
         for path in sorted(tracer.hooked - set(info.auto_leaves)):
             info.auto_leaves[path] = LeafInfo(
                 path, type(model.get_submodule(path)).__name__,

@@ -105,9 +105,9 @@ def _namespaces(dbg: nn.Module) -> list[nn.Module]:
         if space is not None:
             found[id(space)] = space
         rec = recipe(part)
-        for _, other, _ in (rec.captures.values() if rec is not None else ()):
-            if other is not None:
-                found[id(other)] = other
+        for capture in (rec.captures if rec is not None else ()):
+            if capture.space is not None:
+                found[id(capture.space)] = capture.space
     return list(found.values())
 
 

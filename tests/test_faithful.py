@@ -369,3 +369,34 @@ def test_hooks_on_inner_modules_run_at_every_call() -> None:
     torch.testing.assert_close(features[0], model(x), rtol=0, atol=0)
     with pytest.raises(fxdebug.TraceError, match="'b'.*hooks"):
         fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="export")
+
+
+class Flagged(nn.Module):
+    """Forward branches on plain attributes a user may change (``model.double = True``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.double = False
+        self.scale = 2.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return h * self.scale if self.double else h
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_attribute_the_forward_branches_on(frontend: str) -> None:
+    model = Flagged()
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend=frontend)
+    if frontend != "subtrees":
+        assert ("", "double", False) in dbg.trace_info.guards
+    model.double = True
+    assert_same_step(dbg, twin(model), x)
+    model.scale = 3.0
+    assert_same_step(dbg, twin(model), x)
+    if frontend != "subtrees":
+        assert any("attributes changed: scale" in n for n in dbg.report().notes)
+    model.double = False
+    assert_same_step(dbg, twin(model), x)
