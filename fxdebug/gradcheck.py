@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from .context import bind_inputs, preserved_state
 from .errors import UsageError
 from .meta import is_instrumentation, module_path, op_label, source_line
+from .modes import recipe
 from .select import Where, matches
 from .tracing import normalize_inputs
 
@@ -297,13 +298,14 @@ def gradcheck(
         dbg: an ``Instrumented`` module (or any GraphModule with ``example_inputs``).
         where: nodes to check (globs / predicate); default: custom autograd Functions, custom
             ops, user functions and non-``torch.nn`` modules.
-        example_inputs: inputs for the capturing run; default: those ``instrument`` was given.
+        example_inputs: inputs for the capturing run; default: those ``instrument``/``trace`` was given.
         eps, atol: as in ``torch.autograd.gradcheck``.
         double: also run ``gradgradcheck`` (second derivatives).
     """
     if not isinstance(dbg, GraphModule):
         raise UsageError(f"fxdebug.gradcheck needs an instrumented model (fxdebug.instrument(...)); got {type(dbg).__name__}.")
-    raw = example_inputs if example_inputs is not None else dbg.meta.get("fxdebug", {}).get("example_inputs")
+    remembered = recipe(dbg)  # what instrument()/trace() was given, kept to recapture other modes
+    raw = example_inputs if example_inputs is not None else getattr(remembered, "inputs", None)
     inputs = normalize_inputs(raw)
     if inputs is None:
         raise UsageError("fxdebug.gradcheck needs the example run's inputs: pass example_inputs=(x,).")

@@ -121,8 +121,15 @@ def test_double_backward():
     assert fxdebug.gradcheck(fxdebug.trace(Net(Square), (x,)), example_inputs=(x,), double=True).ok
 
 
+def test_defaults_to_the_instrumented_example_inputs():
+    x = _x()
+    dbg = fxdebug.instrument(Net(WrongSquare), [StatCollector()], example_inputs=(x,))
+    result = fxdebug.gradcheck(dbg)
+    assert [r.op for r in result.failures] == ["WrongSquare.apply"]
+
+
 def test_needs_inputs_and_a_graph_module():
     with pytest.raises(fxdebug.UsageError, match="example_inputs"):
-        fxdebug.gradcheck(fxdebug.trace(Net(Square), (_x(),)))
+        fxdebug.gradcheck(fxdebug.trace(Net(Square)))
     with pytest.raises(fxdebug.UsageError, match="instrumented"):
         fxdebug.gradcheck(Net(Square), example_inputs=(_x(),))
