@@ -31,7 +31,7 @@ from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
 from .errors import FxDebugError
 from .meta import INSTRUMENTATION, KEY, GraphRecord, graph_record, node_meta
-from .modes import ensure_mode
+from .modes import ensure_mode, follow_mode
 from .observe import Clock, Observer
 from .runtime.lower import observer_of
 from .render import render as draw
@@ -69,6 +69,11 @@ class Instrumented(GraphModule):
         type(self).__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
         return code
 
+    def train(self, mode: bool = True) -> "Instrumented":
+        super().train(mode)
+        follow_mode(self, mode)  # a captured part's own module follows, as shared children do
+        return self
+
     def _call_with_diagnosis(self, *args: Any, **kwargs: Any) -> Any:
         ensure_mode(self)  # the graph captured for the training flags the modules have now (fxdebug.modes)
         try:
@@ -85,14 +90,6 @@ class Instrumented(GraphModule):
                 exc.add_note(f"fxdebug: {err.message}")
                 raise
             raise err from exc
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            from .face import model_attribute  # the model's own methods/attributes (generate, config)
-
-            return model_attribute(self, name)
 
     def __getattr__(self, name: str) -> Any:
         try:
