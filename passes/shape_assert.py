@@ -22,7 +22,8 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import ObservationContext, PassContext, PassResult, Probe, Reductions, ShapeMismatchError, TensorSpec, Where
+from fxdebug import ShapeMismatchError
+from fxdebug.authoring import ObservationContext, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
 
 __all__ = ["ShapeAssert"]
 
@@ -112,19 +113,19 @@ class ShapeAssert(fxdebug.Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         specs = ctx.specs(gm)
-        other = fxdebug.PassContext(self.other_inputs).specs(gm) if self.other_inputs is not None else {}
+        other = PassContext(self.other_inputs).specs(gm) if self.other_inputs is not None else {}
         names = _SymbolNames(gm, specs)
         symbolic: dict[str, Dims] = {}
         for name, spec in specs.items():
             if isinstance(spec, TensorSpec):
                 symbolic[name] = names.dims(spec, self._dynamic(spec, other.get(name)))
-        added = []
-        for node in ctx.nodes(gm, self.where, ops=_OPS, tensor_outputs=True):
+        added: list[Node | None] = []
+        for node in ctx.nodes(gm, ops=_OPS, tensor_outputs=True):
             spec = specs[node.name]
             inputs = [(a.name, symbolic.get(a.name, {})) for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)]
             probe = ShapeProbe(node, spec, symbolic[node.name], inputs, self.check_dtype)
             added.append(ctx.observe(node, probe))
-        return PassResult(gm, added=[a for a in added if a is not None])
+        return PassResult(gm, added=added)
 
     def _dynamic(self, spec: TensorSpec, other: Any) -> set[int]:
         rank = len(spec.shape)
