@@ -361,7 +361,7 @@ def group_style(g: Group) -> dict[str, str]:
 
 def used_highlights(view: GraphView) -> list[str]:
     """Legend keys for the findings present in ``view``, in legend order."""
-    present = set()
+    present: set[str] = set()
     for v in view.nodes.values():
         present.update(k for k, on in (
             ("origin", v.origin or v.grad_origin), ("nonfinite", v.nonfinite), ("failed", bool(v.failed)),

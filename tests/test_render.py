@@ -295,3 +295,19 @@ def test_bad_arguments_are_usage_errors(tmp_path):
         fxdebug.render(nn.Linear, tmp_path / "g.svg")
     with pytest.raises(fxdebug.UsageError, match="writes svg"):
         fxdebug.render(nn.Linear(2, 2), tmp_path / "g.dot")
+
+
+def test_render_doc_examples(tmp_path, monkeypatch):
+    """docs/render.md's example, run as written: both files appear, the SVG draws the origin."""
+    import re as _re
+
+    monkeypatch.chdir(tmp_path)
+    text = (Path(__file__).resolve().parent.parent / "docs" / "render.md").read_text(encoding="utf-8")
+    blocks = _re.findall(r"```python\n(.*?)```", text, flags=_re.S)
+    assert blocks
+    ns: dict = {}
+    for block in blocks:
+        exec(compile(block, "render.md", "exec"), ns)
+    nodes, _ = parse(tmp_path / "demo.svg")
+    assert nodes["log"]["fill"] == COLORS["origin"] and nodes["stage2_act"]["fill"] == COLORS["dead"]
+    assert "window.fxdebugViewer" in (tmp_path / "demo.html").read_text(encoding="utf-8")
