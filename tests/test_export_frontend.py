@@ -209,11 +209,15 @@ def test_aten_ops_are_classified() -> None:
     assert fxdebug.is_inplace(relu) == (relu.target == torch.ops.aten.relu_.default)
 
 
-def test_wrong_shape_is_named_and_dynamic_batch_allows_it() -> None:
+def test_dimensions_the_model_allows_vary_and_a_fixed_one_is_named() -> None:
     model = ItemAssignment()
     gm = fxdebug.trace(model, (torch.randn(4, 6),), frontend="export")
-    with pytest.raises(fxdebug.UsageError, match=r"input 'x' has shape \(3, 6\).*\(4, 6\).*dynamic_batch=True"):
-        gm(torch.randn(3, 6))
+    assert any("dynamic dimensions" in n and "x[0]" in n for n in gm.trace_info.notes)
+    for batch in (3, 1, 9):  # the batch is free by default (torch.export.Dim.AUTO)
+        x = torch.randn(batch, 6)
+        assert torch.equal(gm(x), model(x))
+    with pytest.raises(fxdebug.UsageError, match=r"input 'x' has shape \(3, 5\).*\('\*', 6\)"):
+        gm(torch.randn(3, 5))  # the Linear fixes dim 1
     dyn = fxdebug.trace(model, (torch.randn(4, 6),), frontend="export", dynamic_batch=True)
     x = torch.randn(3, 6)
     assert torch.equal(dyn(x), model(x))

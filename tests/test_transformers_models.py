@@ -150,3 +150,17 @@ def test_svg_has_module_clusters(tmp_path: Any) -> None:
         svg = f.read()
     assert "cluster" in dot and "encoder.layer.0.attention" in dot
     assert svg.lstrip().startswith(("<?xml", "<svg"))
+
+
+def test_export_capture_takes_other_batch_and_sequence_lengths():
+    """Tiny BERT instrumented on (2, 16) token ids runs (3, 20) and (1, 5) too, bitwise, one report."""
+    model, _, _ = bert()
+    model.eval()
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": _ids(2, 16)})
+    assert dbg.trace_info.frontend == "export"
+    assert any("dynamic dimensions" in n and "input_ids[0, 1]" in n for n in dbg.trace_info.notes)
+    with torch.no_grad():
+        for shape in [(2, 16), (3, 20), (1, 5)]:
+            ids = _ids(*shape)
+            assert torch.equal(dbg(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
+    assert dbg.report().calls == 3

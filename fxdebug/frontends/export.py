@@ -74,19 +74,27 @@ class InputGuard(nn.Module):
                 shown = tuple("*" if w is None else w for w in want)
                 raise UsageError(
                     f"input '{name}' has shape {got}, but the graph was captured by torch.export for shape "
-                    f"{shown}. Trace again with inputs of this shape, or pass dynamic_batch=True to fxdebug.trace "
+                    f"{shown} (the model fixes the dimensions shown as numbers; '*' ones vary). Trace again with inputs "
+                    "of this shape, or pass dynamic_batch=True to fxdebug.trace "
                     "/ instrument to let the batch dimension vary.",
                     node=name,
                 )
         return None
 
 
-def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Mark dimension 0 of every tensor input dynamic, keyed the way ``torch.export`` expects."""
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], every_dim: bool = False) -> Any:
+    """Dimension 0 of every tensor input dynamic, or (``every_dim``) every dimension ``Dim.AUTO``.
+
+    ``Dim.AUTO`` lets torch keep a dimension symbolic where the model allows it (batch, sequence,
+    image size) and specialise it where the model fixes it (channels, a weight's width), without
+    failing: the captured graph then takes every shape the model takes along the free dimensions.
+    """
     batch = torch.export.Dim.DYNAMIC
 
     def spec(v: Any) -> Any:
         if isinstance(v, Tensor):
+            if every_dim:
+                return {d: torch.export.Dim.AUTO for d in range(v.dim())} or None
             return {0: batch} if v.dim() > 0 else None
         if isinstance(v, (list, tuple)):
             return type(v)(spec(x) for x in v)
@@ -100,8 +108,29 @@ def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic_batch: bool,
             notes: list[str]) -> Any:
+    """Export with every input dimension free where the model allows it; else for the example shapes.
+
+    ``dynamic_batch=True`` asks for exactly dim 0 dynamic (and fails if the model fixes it).
+    """
+    if dynamic_batch:
+        return _export_with(model, args, kwargs, _dynamic_shapes(model, args, kwargs), notes)
+    try:
+        dynamic = _dynamic_shapes(model, args, kwargs, every_dim=True)
+    except TypeError:  # the inputs do not bind to forward's signature; export says why below
+        dynamic = None
+    if dynamic is not None:
+        try:
+            return _export_with(model, args, kwargs, dynamic, notes)
+        except Exception as exc:  # noqa: BLE001 - any failure of the dynamic capture: try the static one
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            notes.append(f"export: dynamic shapes could not be captured ({type(exc).__name__}: {first}); "
+                         "the graph is specialised to the example shapes")
+    return _export_with(model, args, kwargs, None, notes)
+
+
+def _export_with(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], dynamic: Any,
+                 notes: list[str]) -> Any:
     """``torch.export.export`` (non-strict); dataclass outputs are registered with pytree once."""
-    dynamic = _dynamic_shapes(model, args, kwargs) if dynamic_batch else None
     registered: set[str] = set()
     while True:
         try:
@@ -209,7 +238,7 @@ def _replace_guards(graph: Graph, space: nn.Module) -> None:
         val = ph.meta.get("val")
         names.append(ph.name)
         if isinstance(val, Tensor):
-            shapes.append(tuple(d if isinstance(d, int) else None for d in val.shape))
+            shapes.append(tuple(_static_size(d) for d in val.shape))
         else:
             shapes.append(None)
     if not any(s is not None for s in shapes):
@@ -220,6 +249,26 @@ def _replace_guards(graph: Graph, space: nn.Module) -> None:
         guard = graph.create_node("call_module", "fxdebug.input_guard", tuple(placeholders), {})
     meta = fx_meta(guard)
     meta["role"], meta["module"], meta["module_type"], meta["keep_unused"] = "guard", "", "InputGuard", True
+
+
+def _static_size(d: Any) -> int | None:
+    """A dimension's fixed size, or ``None`` if it stayed symbolic (a SymInt ``Dim.AUTO`` pinned is fixed)."""
+    if isinstance(d, int):
+        return d
+    expr = getattr(getattr(d, "node", None), "expr", None)
+    return int(expr) if expr is not None and getattr(expr, "is_number", False) else None
+
+
+def _dynamic_dims(graph: Graph) -> list[str]:
+    """``input_ids[0, 1]`` for every placeholder whose captured shape has symbolic dimensions."""
+    out = []
+    for ph in graph.nodes:
+        val = ph.meta.get("val") if ph.op == "placeholder" else None
+        if isinstance(val, Tensor):
+            dims = [str(i) for i, d in enumerate(val.shape) if _static_size(d) is None]
+            if dims:
+                out.append(f"{ph.name}[{', '.join(dims)}]")
+    return out
 
 
 def annotate_export(graph: Graph, model: nn.Module) -> None:
@@ -287,6 +336,9 @@ def capture_export(
         info.notes.append(f"export: {len(moved)} tensors created by forward are kept as constants under 'fxdebug'")
     if dynamic_batch:
         info.notes.append("export: the batch dimension (dim 0 of every tensor input) is dynamic")
+    free = _dynamic_dims(graph)
+    if free:
+        info.notes.append(f"export: dynamic dimensions (any size the model accepts): {', '.join(free)}")
     info.seconds = time.perf_counter() - start
     return graph, info, space
 
