@@ -34,6 +34,9 @@ EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxdebug", description="Graph-level debugging for PyTorch models.",
                                 epilog="Exit status: 0 nothing found, 1 problem found, 2 could not run, 3 internal error.")
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"fxdebug {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="{demo,render,check}")
 
     d = sub.add_parser("demo", help="instrument a bundled model with planted problems and show what fxdebug finds")
@@ -61,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--shapes", action="store_true", help="assert every node keeps its shape (ShapeAssert)")
     c.add_argument("--stats", action="store_true", help="collect statistics and dead fractions (StatCollector)")
     c.add_argument("--devices", action="store_true", help="check op inputs share a device (DeviceCheck)")
+    c.add_argument("--grads", action="store_true",
+                   help="also run a backward (of the sum of the outputs' means): gradient statistics per node and "
+                        "per module's parameters, NaN/Inf in gradients, vanishing/exploding findings")
     c.add_argument("--batches", type=int, default=None,
                    help="batches to run (default: 4 random ones; with --data: every batch in the file)")
     c.add_argument("--data", help="torch.save file with input batches instead of random ones")
@@ -175,18 +181,33 @@ def _passes(args: argparse.Namespace) -> list[Any]:
             cls = getattr(lib, name)
         except (ImportError, AttributeError) as exc:
             raise CliError(f"the {name} pass is not available in this installation ({exc}).") from exc
-        passes.append(cls(mode="record") if name == "NaNCheck" else cls())
+        grads = bool(getattr(args, "grads", False))
+        if name == "NaNCheck":
+            passes.append(cls(mode="record", backward=grads))
+        else:
+            passes.append(cls(grads=True) if name == "StatCollector" and grads else cls())
+    if getattr(args, "grads", False):
+        passes.append(lib.ParamGrads())
     return passes
 
 
-def _call(dbg: Any, batch: Any) -> Any:
-    return dbg(**batch) if isinstance(batch, dict) else dbg(*batch)
+def _output_loss(outputs: Any, batch: Any) -> Any:
+    """``check --grads``: the sum of the means of the floating outputs, so every output gets a gradient."""
+    flat = [outputs] if isinstance(outputs, torch.Tensor) else (
+        list(outputs.values()) if isinstance(outputs, dict) else list(outputs) if isinstance(outputs, (tuple, list)) else [])
+    terms = [t.float().mean() for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+    if not terms:
+        from .cli_support import CliError
+
+        raise CliError("check --grads: the model's outputs carry no gradient (no floating-point output that "
+                       "depends on a parameter or a float input).")
+    return sum(terms)
 
 
 def _check(args: argparse.Namespace) -> int:
     import fxdebug
 
-    from .cli_support import CliError, Progress, check_batches, findings, load_target
+    from .cli_support import CliError, check_batches, findings, load_target
 
     model = load_target(args.target)
     batches = _inputs(args, args.batches)
@@ -198,23 +219,18 @@ def _check(args: argparse.Namespace) -> int:
         dbg = fxdebug.instrument(model, passes, example_inputs=first if isinstance(first, dict) else tuple(first))
     except FxDebugError as exc:
         return _rejected_or_raise(model, exc, args)
-    failed: FxDebugError | None = None
-    progress = Progress(len(batches))
-    with torch.no_grad():
-        for i, batch in enumerate(batches):
-            try:
-                _call(dbg, batch)
-            except UsageError as exc:  # the batch, not the model: wrong shape for the capture, wrong arguments
-                raise CliError(f"batch {i + 1} of {len(batches)} does not fit the model: {exc}") from exc
-            except FxDebugError as exc:
-                failed = exc
-                progress.update(i + 1)
-                _err(f"batch {i + 1} failed a check: {exc}")
-                break
-            progress.update(i + 1)
-    report = dbg.report()
+    # Each --data / random batch holds the forward's own arguments (no targets): a tuple of
+    # positional inputs is passed as ((inputs...),) so collect() reads it as the inputs.
+    loader = [b if isinstance(b, dict) else (tuple(b),) for b in batches]
+    try:
+        report = fxdebug.collect(dbg, loader, loss_fn=_output_loss if args.grads else None)
+    except UsageError as exc:  # the batch, not the model: wrong shape for the capture, wrong arguments
+        where = getattr(exc, "batch_index", None)
+        which = f"batch {where + 1} of {len(batches)}" if where is not None else "a batch"
+        raise CliError(f"{which} does not fit the model: {exc}") from exc
+    failed: FxDebugError | None = report.failure
     print(report)
-    found = findings(report, dbg)
+    found = findings(report, dbg)  # report.findings() with the graph's input figures
     if found:
         print("\nfindings:")
         for line in found:

@@ -19,9 +19,6 @@ import torch
 from torch import nn
 
 from .errors import UsageError
-from .ops import is_relu
-from .render_view import DEAD_HOTSPOT
-from .table import format_value
 
 __all__ = ["CliError", "Progress", "findings", "load_data", "load_target", "parse_shape", "random_inputs"]
 
@@ -183,42 +180,15 @@ class Progress:
 
 
 def findings(report: Any, gm: Any = None) -> list[str]:
-    """Sentences for what deserves attention in ``report``: NaN/Inf origin, dead ReLU channels."""
-    out = []
-    rows = {r["node"]: r for r in report.rows}
-    for label, origin in (("forward", report.first_nonfinite), ("backward", report.first_nonfinite_grad)):
-        if origin is None:
-            continue
-        r = rows.get(origin, {})
-        text = f"NaN/Inf origin ({label}): node '{origin}' (module {r.get('module') or '<root>'}, {r.get('op')})"
-        feeders = _input_rows(gm, origin, rows)
-        if feeders:
-            text += "; its input " + ", ".join(f"'{n}' has min {format_value(m)}" for n, m in feeders)
-        out.append(text + ".")
-    bad = [r["node"] for r in report.rows if r.get("nonfinite_calls")]
+    """Sentences for what deserves attention in ``report``: the typed ``Report.findings()`` (NaN/Inf
+    origin with its input's minimum, failed checks, vanishing/exploding gradients, dead channels),
+    each with its fix, plus the list of nodes that saw NaN/Inf."""
+    from .findings import find
+
+    out = [str(f) for f in find(report, gm=gm)]
+    bad = [r["node"] for r in report.rows if report.nonfinite_in(r, "forward")] if hasattr(report, "nonfinite_in") \
+        else [r["node"] for r in report.rows if r.get("nonfinite_calls")]
     if bad:
-        out.append(f"{len(bad)} node(s) saw NaN/Inf: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}.")
-    relus = _relu_names(gm)
-    for r in report.rows:
-        dead = r.get("dead_frac")
-        is_relu = r["node"] in relus if relus is not None else "relu" in str(r.get("op", "")).lower()
-        if is_relu and isinstance(dead, (int, float)) and dead >= DEAD_HOTSPOT:
-            out.append(f"dead channels: node '{r['node']}' (module {r.get('module') or '<root>'}, {r.get('op')}): "
-                       f"{100 * dead:.0f}% of channels never positive.")
+        out.insert(min(len(out), 1 + (report.first_nonfinite_grad is not None)),
+                   f"{len(bad)} node(s) saw NaN/Inf: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}.")
     return out
-
-
-def _relu_names(gm: Any) -> set[str] | None:
-    """Names of the ReLU nodes of ``gm`` (where a dead fraction means dead units), if known."""
-    if gm is None:
-        return None
-    return {n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method") and is_relu(n)}
-
-
-def _input_rows(gm: Any, name: str, rows: dict[str, dict[str, Any]]) -> list[tuple[str, Any]]:
-    if gm is None:
-        return []
-    node = next((n for n in gm.graph.nodes if n.name == name), None)
-    if node is None:
-        return []
-    return [(a.name, rows[a.name]["min"]) for a in node.all_input_nodes if a.name in rows and "min" in rows[a.name]]

@@ -86,7 +86,8 @@ def collect(
                 break
             try:
                 _step(dbg, batch, loss_fn, params)
-            except UsageError:
+            except UsageError as exc:
+                exc.batch_index = i  # type: ignore[attr-defined]  # callers can say which batch
                 raise  # a mistake in the call (a bad batch form, a non-scalar loss), not a finding
             except FxDebugError as exc:
                 failure = exc
@@ -229,7 +230,10 @@ class _Tqdm(_Bar):
     def __init__(self, total: int | None, stream: TextIO) -> None:
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, unit="batch", desc="fxdebug.collect", file=stream, dynamic_ncols=True)
+        self.stream = stream
+        self.bar = tqdm(total=total, unit="batch", desc="fxdebug.collect", file=stream, dynamic_ncols=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} batches "
+                                   "[{elapsed}<{remaining}{postfix}]" if total else None)
 
     def update(self, done: int, counts: dict[str, int] | None) -> None:
         self.bar.update(done - self.bar.n)
@@ -237,7 +241,7 @@ class _Tqdm(_Bar):
             self.bar.set_postfix_str(_postfix(counts), refresh=False)
 
     def message(self, text: str) -> None:
-        self.bar.write(f"fxdebug: {text}")
+        self.bar.write(f"fxdebug: {text}", file=self.stream)
 
     def close(self, done: int, counts: dict[str, int]) -> None:
         self.update(done, counts)

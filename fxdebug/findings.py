@@ -243,7 +243,21 @@ def _op_fix(row: dict[str, Any], phase: str) -> str:
     return "check this op's inputs (min/max in the report); in half precision check for overflow."
 
 
-def _nonfinite_findings(report: Any) -> list[Finding]:
+def _input_mins(gm: Any, name: str, report: Any) -> str:
+    """``"; its input 'x' has min -0.3"`` from the rows of ``name``'s inputs, when the graph is known."""
+    if gm is None or not hasattr(gm, "graph"):
+        return ""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if node is None:
+        return ""
+    parts = []
+    for a in node.all_input_nodes:
+        if _has(report, a.name) and _num(report.row(a.name).get("min")) is not None:
+            parts.append(f"'{a.name}' has min {_fmt(float(report.row(a.name)['min']))}")
+    return ("; its input " + ", ".join(parts)) if parts else ""
+
+
+def _nonfinite_findings(report: Any, gm: Any = None) -> list[Finding]:
     out: list[Finding] = []
     for phase, name in (("forward", getattr(report, "first_nonfinite", None)),
                         ("backward", getattr(report, "first_nonfinite_grad", None))):
@@ -261,6 +275,8 @@ def _nonfinite_findings(report: Any) -> list[Finding]:
                 + (f", from the backward of {', '.join(via)}" if via else ""))
         if first is not None:
             text += f", first in call {int(first)}"
+        if phase == "forward":
+            text += _input_mins(gm, name, report)
         out.append(NonFiniteOrigin(node=name, module=_mod(row), figure=first, message=text + ".",
                                    fix=_op_fix(report.row(via[0]) if via and _has(report, via[0]) else row, phase)))
     return out
@@ -283,7 +299,7 @@ def _dead_findings(report: Any, rules: FindingRules) -> list[Finding]:
     rows = sorted(dead_rows(report, rules.dead), key=lambda r: -float(r["dead_frac"]))
     return [DeadActivations(
         node=r["node"], module=_mod(r), figure=float(r["dead_frac"]), nodes=(r["node"],),
-        message=f"dead activations: {_where(r)} has {100 * float(r['dead_frac']):.0f}% of its "
+        message=f"dead channels: {_where(r)}: {100 * float(r['dead_frac']):.0f}% of its "
                 f"{r.get('channels', '')}{' ' if r.get('channels') else ''}channels never positive over "
                 f"{r.get('calls', '?')} call(s) (threshold {100 * rules.dead:.0f}%).",
         fix=f"swap it for LeakyReLU (SwapActivation(only_dead={rules.dead}, where='{r['node']}')), lower the learning "
@@ -328,8 +344,11 @@ def _failure(report: Any) -> list[Finding]:
 
 
 def find(report: Any, *, vanishing: float | None = None, exploding: float | None = None, dead: float | None = None,
-         max_findings: int | None = None) -> list[Finding]:
-    """The findings of ``report`` (see the module docstring); thresholds default to ``FindingRules``."""
+         max_findings: int | None = None, gm: Any = None) -> list[Finding]:
+    """The findings of ``report`` (see the module docstring); thresholds default to ``FindingRules``.
+
+    ``gm``: the instrumented module, when at hand: the NaN/Inf origin then also names its inputs'
+    minimum (``log`` of an input whose min is -0.3)."""
     base = FindingRules()
     rules = FindingRules(
         vanishing=base.vanishing if vanishing is None else vanishing,
@@ -341,7 +360,7 @@ def find(report: Any, *, vanishing: float | None = None, exploding: float | None
         from .errors import UsageError
 
         raise UsageError(f"findings(vanishing={rules.vanishing}, exploding={rules.exploding}): need 0 < vanishing < exploding.")
-    groups = [_failure(report), _nonfinite_findings(report), _gradient_findings(report, rules),
+    groups = [_failure(report), _nonfinite_findings(report, gm), _gradient_findings(report, rules),
               _dead_findings(report, rules), _hot_spots(report)]
     out: list[Finding] = []
     for group in groups:
