@@ -125,24 +125,23 @@ def _merge_phase(rows: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
             m2 = sum(c * (r[key("std")] ** 2 + (r[key("mean")] - mean) ** 2) for r, c in live)
             out[key("std")] = math.sqrt(m2 / n) if math.isfinite(m2) else math.nan
         for k in _WEIGHTED:
-            vals = [(r.get(key(k)), c) for r, c in live]
-            if all(v is not None for v, _ in vals) and vals:
-                out[key(k)] = sum(v * c for v, c in vals) / n
+            weighted = [(_num(r.get(key(k))), c) for r, c in live]
+            if weighted and all(v is not None for v, _ in weighted):
+                out[key(k)] = sum((v or 0.0) * c for v, c in weighted) / n
     calls = [_num(r.get(key("calls"))) or 0.0 for r in rows]
     if any(key("norm") in r for r in rows) and sum(calls) > 0:
-        vals = [(r.get(key("norm")), c) for r, c in zip(rows, calls) if c]
-        if all(v is not None for v, _ in vals):
-            out[key("norm")] = sum(v * c for v, c in vals) / sum(calls)
+        norms = [(_num(r.get(key("norm"))), c) for r, c in zip(rows, calls) if c]
+        if all(v is not None for v, _ in norms):
+            out[key("norm")] = sum((v or 0.0) * c for v, c in norms) / sum(calls)
     for k in _SUM:
-        vals = [r.get(key(k)) for r in rows if r.get(key(k)) is not None]
-        if vals:
-            out[key(k)] = sum(vals)
+        summed = [r[key(k)] for r in rows if r.get(key(k)) is not None]
+        if summed:
+            out[key(k)] = sum(summed)
     for k in _MIN | _MAX:
-        vals = [_num(r.get(key(k))) for r in rows]
-        vals = [v for v in vals if v is not None]
-        if vals:
-            pick = min(vals) if k in _MIN else max(vals)
-            if any(math.isnan(v) for v in vals):
+        found = [v for v in (_num(r.get(key(k))) for r in rows) if v is not None]
+        if found:
+            pick = min(found) if k in _MIN else max(found)
+            if any(math.isnan(v) for v in found):
                 pick = math.nan
             out[key(k)] = int(pick) if k == "nonfinite_first_call" else pick
     return out
@@ -168,7 +167,7 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]],
         row = {k: base[k] for k in base if k in _SAME}
         row.update(_merge_phase(rows, ""))
         row.update(_merge_phase(rows, "grad_"))
-        chans = [r.get("chan_max") for r in rows]
+        chans: list[Any] = [r.get("chan_max") for r in rows]
         if all(isinstance(c, (list, tuple)) for c in chans) and len({len(c) for c in chans}) == 1:
             top = [max(vals) for vals in zip(*chans)]
             row["dead_frac"] = sum(1 for v in top if v <= 0) / len(top) if top else None

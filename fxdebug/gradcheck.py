@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -105,7 +105,7 @@ def autograd_function(node: Node) -> type | None:
         return None
     cls = _function_class(node.target)
     if cls is None and node.args and getattr(node.target, "__name__", "") == "apply_function":
-        key = node.args[0]
+        key: Any = node.args[0]
         if isinstance(key, str):  # the tracer names the Function by a key it resolves at run time
             try:
                 from . import faithful
@@ -187,6 +187,7 @@ def _node_function(node: Node, gm: GraphModule, args: Any, kwargs: Any) -> tuple
         elif node.op == "call_method":
             out = getattr(a[0], str(node.target))(*a[1:], **kw)
         else:
+            assert callable(node.target)
             out = node.target(*a, **kw)
         return tuple(t for t in tree_flatten(out)[0] if _is_float(t))
 
@@ -324,7 +325,3 @@ def gradcheck(
                 args, kwargs = recorder.captured[node.name]
                 result.rows.append(_check_node(node, dbg, args, kwargs, eps, atol, double))
     return result
-
-
-def _names(xs: Sequence[Node]) -> list[str]:  # pragma: no cover - debugging helper
-    return [n.name for n in xs]

@@ -30,7 +30,7 @@ def _floats(value: Any) -> list[Tensor]:
             and t.numel() > 0]
 
 
-def _any(flags: list[Tensor], like: Any) -> Tensor | bool:
+def _any(flags: list[Tensor]) -> Tensor | bool:
     if not flags:
         return False
     if len(flags) == 1:
@@ -40,17 +40,17 @@ def _any(flags: list[Tensor], like: Any) -> Tensor | bool:
 
 def nonfinite(outputs: Any) -> Tensor | bool:
     """True when any output element is NaN or +/-Inf."""
-    return _any([~torch.isfinite(t).all() for t in _floats(outputs)], outputs)
+    return _any([~torch.isfinite(t).all() for t in _floats(outputs)])
 
 
 def nan(outputs: Any) -> Tensor | bool:
     """True when any output element is NaN."""
-    return _any([torch.isnan(t).any() for t in _floats(outputs)], outputs)
+    return _any([torch.isnan(t).any() for t in _floats(outputs)])
 
 
 def inf(outputs: Any) -> Tensor | bool:
     """True when any output element is +/-Inf."""
-    return _any([torch.isinf(t).any() for t in _floats(outputs)], outputs)
+    return _any([torch.isinf(t).any() for t in _floats(outputs)])
 
 
 def always(outputs: Any) -> bool:
@@ -62,7 +62,7 @@ def abs_above(threshold: float) -> Condition:
     """A condition: max |output| above ``threshold`` (NaN counts as above)."""
 
     def cond(outputs: Any) -> Tensor | bool:
-        return _any([~(t.abs().amax() <= threshold) for t in _floats(outputs)], outputs)
+        return _any([~(t.abs().amax() <= threshold) for t in _floats(outputs)])
 
     cond.__name__ = f"abs_above({threshold:g})"
     return cond

@@ -27,6 +27,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
+from fxdebug.authoring import fx_meta, is_instrumentation, module_path, op_label, source_line
 
 __all__ = ["Breakpoint", "BreakpointHit"]
 
@@ -112,11 +113,11 @@ class Breakpoint(fxdebug.Pass):
             raise UsageError(f"Breakpoint: where={self.where!r} selects no node.")
         added = []
         for node in picked:
-            inputs = tuple(a for a in node.all_input_nodes if not fxdebug.is_instrumentation(a))
-            call = _BreakpointCall(self, node.name, fxdebug.module_path(node), fxdebug.op_label(node),
-                                   fxdebug.source_line(node), tuple(a.name for a in inputs))
+            inputs = tuple(a for a in node.all_input_nodes if not is_instrumentation(a))
+            call = _BreakpointCall(self, node.name, module_path(node), op_label(node),
+                                   source_line(node), tuple(a.name for a in inputs))
             new = ctx.insert_after(node, call, (node, *inputs), hint=f"breakpoint_{node.name}")
-            meta = fxdebug.fx_meta(new)
+            meta = fx_meta(new)
             meta["role"], meta["breaks_at"] = "guard", node.name
             added.append(new)
         return PassResult(gm, added=added)

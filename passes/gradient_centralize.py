@@ -24,6 +24,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
+from fxdebug.authoring import describe, fx_meta, get_module
 
 __all__ = ["GradientCentralize", "centralize"]
 
@@ -85,15 +86,15 @@ class GradientCentralize(fxdebug.Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         replaced = {}
         for node in ctx.nodes(gm, ops=("call_module",)):
-            module = fxdebug.get_module(gm, node)
+            module = get_module(gm, node)
             if type(module) not in _SUPPORTED or module.weight.dim() < 2:
                 continue
             if node.kwargs or len(node.args) != 1:
-                raise UsageError(f"GradientCentralize: {fxdebug.describe(node)} is called with extra arguments; "
+                raise UsageError(f"GradientCentralize: {describe(node)} is called with extra arguments; "
                                  "exclude it with where=.")
             new = ctx.replace_with_module(node, _CentralizedCall(module), args=node.args)
-            fxdebug.fx_meta(new)["module_type"] = type(module).__name__
-            fxdebug.fx_meta(new)["module"] = str(node.target)
+            fx_meta(new)["module_type"] = type(module).__name__
+            fx_meta(new)["module"] = str(node.target)
             replaced[node.name] = new.name
         if not replaced:
             raise UsageError(f"GradientCentralize: where={self.where!r} selects no Conv or Linear module.")

@@ -31,6 +31,9 @@ from torch.fx import GraphModule, Interpreter, Node
 
 import fxdebug
 from fxdebug import InplaceError, PassContext, PassResult, UsageError, Where
+from fxdebug.authoring import (
+    fx_meta, is_instrumentation, keep_state, matches, module_path, node_values, op_label, source_line,
+)
 
 __all__ = ["InplaceCheck", "InplaceFinding"]
 
@@ -101,7 +104,7 @@ def _fix(node: Node, gm: GraphModule) -> str:
     if name.startswith("i") and getattr(node.target, "__module__", "") in ("_operator", "operator"):
         return f"write `y = y {_OPERATORS.get(name, '+')} ...` instead of the augmented assignment, {clone}"
     if node.kwargs.get("inplace"):
-        return f"pass inplace=False to {fxdebug.op_label(node)}, {clone}"
+        return f"pass inplace=False to {op_label(node)}, {clone}"
     if name.endswith("_"):
         return f"use {name[:-1]} instead of {name}, {clone}"
     return f"use the out-of-place form, {clone}"
@@ -140,7 +143,7 @@ class _SaveTracker(Interpreter):
         return t
 
     def run_node(self, n: Node) -> Any:
-        if fxdebug.is_instrumentation(n):
+        if is_instrumentation(n):
             return None
         if n.op in ("placeholder", "get_attr", "output"):
             return super().run_node(n)
@@ -200,10 +203,10 @@ class InplaceCheck(fxdebug.Pass):
             raise UsageError("InplaceCheck needs example inputs to see what autograd saves: "
                              "call instrument(model, [InplaceCheck()], example_inputs=(x,)).")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        bound = fxdebug.node_values(gm, ctx, placeholders)
+        bound = node_values(gm, ctx, placeholders)
         args = [bound[p.name] for p in placeholders]
         tracker = _SaveTracker(gm)
-        with fxdebug.keep_state(gm), torch.enable_grad():
+        with keep_state(gm), torch.enable_grad():
             tracker.run(*args)
             env = tracker.env
             self.findings = []
@@ -215,22 +218,22 @@ class InplaceCheck(fxdebug.Pass):
                 seen.add((rec.saver.name, mod.name))
                 pairs.append((rec.saver, mod))
                 self.findings.append(InplaceFinding(
-                    saved_by=rec.saver.name, saved_by_op=fxdebug.op_label(rec.saver),
-                    saved_by_module=fxdebug.module_path(rec.saver), saved_by_line=fxdebug.source_line(rec.saver),
-                    modified_by=mod.name, modified_by_op=fxdebug.op_label(mod),
-                    modified_by_module=fxdebug.module_path(mod), modified_by_line=fxdebug.source_line(mod),
+                    saved_by=rec.saver.name, saved_by_op=op_label(rec.saver),
+                    saved_by_module=module_path(rec.saver), saved_by_line=source_line(rec.saver),
+                    modified_by=mod.name, modified_by_op=op_label(mod),
+                    modified_by_module=module_path(mod), modified_by_line=source_line(mod),
                     tensor=_what(rec, env, gm), shape=tuple(rec.tensor.shape), fix=_fix(mod, gm)))
             del tracker, env
         added: list[Node] = []
         for (saver, mod), finding in zip(pairs, self.findings):
-            fxdebug.fx_meta(mod).setdefault("notes", []).append(f"inplace-check: {finding.message}")
-            if not self.raise_at_runtime or not fxdebug.matches(self.where, mod):
+            fx_meta(mod).setdefault("notes", []).append(f"inplace-check: {finding.message}")
+            if not self.raise_at_runtime or not matches(self.where, mod):
                 continue
             with gm.graph.inserting_before(mod):
                 guard = gm.graph.call_function(inplace_guard, (saver,), {
                     "message": finding.message, "node": mod.name, "module": finding.modified_by_module,
                     "op": finding.modified_by_op, "saved_by": saver.name})
-            meta = fxdebug.fx_meta(guard)
+            meta = fx_meta(guard)
             meta.update(role="guard", guards=mod.name, module=finding.modified_by_module, added_by=self.name)
             added.append(guard)
         return PassResult(gm, added=added, notes=[f.message for f in self.findings])

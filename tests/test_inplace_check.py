@@ -6,7 +6,6 @@ import pickle
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import fxdebug
