@@ -73,8 +73,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="fxdebug-render-"))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeat}")
     print("| graph nodes | SVG (default: folded, auto depth) | boxes drawn | SVG, every node drawn (once) | HTML write "
-          "| HTML size | open in chromium (to first draw) | boxes drawn at open |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| HTML size | open in chromium (to first draw) | boxes drawn at open | layout after expanding one module |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in sizes:
         gm = fxdebug.trace(synthetic(n))
         count = len(gm.graph.nodes)
@@ -94,9 +94,13 @@ def main() -> None:
             opened = f"{_median(open_page, args.repeat):.2f} s"
             drawn = str(browser.execute_script("return window.fxdebugViewer.drawnNodes().length + "
                                                "window.fxdebugViewer.drawnClusters().length"))
+            expand = browser.execute_script("var v = window.fxdebugViewer; v.expand(v.drawnClusters()[0]); "
+                                            "return v.lastLayoutMs();")
+            expanded = f"{expand:.0f} ms"
         else:
-            opened, drawn = "n/a (no selenium/chromium)", "n/a"
-        print(f"| {count:,} | {svg:.2f} s | {boxes} | {full:.1f} s | {html:.2f} s | {size:.1f} MB | {opened} | {drawn} |")
+            opened, drawn, expanded = "n/a (no selenium/chromium)", "n/a", "n/a"
+        print(f"| {count:,} | {svg:.2f} s | {boxes} | {full:.1f} s | {html:.2f} s | {size:.1f} MB | {opened} | {drawn} "
+              f"| {expanded} |")
     if browser is not None:
         browser.quit()
 
