@@ -207,8 +207,9 @@ class PassManager:
         if not result.removed:
             result.removed = removed
         gm.recompile()
-        if added or removed or result.changed:
-            ctx.invalidate()
+        only_watching = p.observe_only and not removed and not result.changed and all(is_instrumentation(n) for n in added)
+        if (added or removed or result.changed) and not only_watching:
+            ctx.invalidate()  # (an observe-only pass that only added instrumentation keeps the model's shapes)
         self.results.append(result)
         for inst in ctx.instruments:
             getattr(inst, "after_pass", lambda *_: None)(p, gm, result)
