@@ -43,6 +43,8 @@ __all__ = [
     "grad_enter",
     "grad_exit",
     "has_call_hooks",
+    "sync_attributes",
+    "sync_tensors",
     "patched_for_tracing",
 ]
 
@@ -156,6 +158,16 @@ def sync_attributes(src: nn.Module, dst: nn.Module) -> None:
     for k, v in user_attributes(src).items():
         if theirs.get(k, _MISSING) is not v:
             theirs[k] = v
+
+
+def sync_tensors(src: nn.Module, dst: nn.Module, *, parameters: bool = True) -> None:
+    """Point ``dst``'s buffer (and parameter) entries at ``src``'s objects where they differ:
+    a forward rebinds a buffer (``self.avg = ...``), ``model.to()`` may replace either."""
+    pairs = [(src._buffers, dst._buffers)] + ([(src._parameters, dst._parameters)] if parameters else [])
+    for mine, theirs in pairs:
+        for k, v in mine.items():
+            if theirs.get(k, _MISSING) is not v:
+                theirs[k] = v
 
 
 _MISSING = object()

@@ -1,19 +1,21 @@
 """What ``torch.export`` would capture differently from the model, found before it is trusted.
 
 Non-strict ``torch.export`` runs the real Python on fake tensors, so grad-mode regions and buffer
-updates come out right. Three things do not, in torch 2.13, and each would give a graph that runs
+updates come out right. Four things do not, in torch 2.13, and each would give a graph that runs
 differently from the model with no error:
 
 * a custom ``torch.autograd.Function`` is inlined: its ``forward``'s aten ops are recorded and
   its own ``backward`` is dropped;
 * assignments to plain Python attributes (``self.calls += 1``) happen while exporting and are
   undone afterwards; the graph never performs them;
+* a submodule's ``self.avg = ...`` (buffer reassignment) is lost: only the root's own buffers
+  are written back by the exported graph;
 * hooks on submodules are traced through once: their tensor ops are kept, their Python side
   effects (appending to a list, counting) are not.
 
 The root's own hooks are not a problem: fxdebug runs them at every call of the instrumented
 module, so the root is exported without them (a shell whose hook dictionaries are empty) and
-``check`` refuses the other three with a ``TraceError`` naming the module and the line, so that
+``check`` refuses the other four with a ``TraceError`` naming the module and the line, so that
 ``frontend="auto"`` moves on to the subtrees frontend, which keeps such modules eager.
 """
 
@@ -25,6 +27,7 @@ from collections import OrderedDict
 from typing import Any, Iterator
 
 from torch import nn
+from torch.fx import Graph
 
 from .errors import TraceError
 from .faithful import attribute_reads, has_call_hooks, patched_for_tracing, writes_and_functions
@@ -63,6 +66,23 @@ class ExportWatch(list):  # type: ignore[type-arg]
     def __init__(self) -> None:
         super().__init__()
         self.guards: list[tuple[str, str, Any]] = []
+        self.buffer_writes: list[tuple[str, str | None]] = []  # ("ema.avg", line) reassigned by forward
+
+    def check_buffer_updates(self, graph: Graph) -> None:
+        """Refuse a graph that lost a buffer update the forward made (``self.avg = ...`` in a submodule:
+        torch 2.13's non-strict export records it only for the root's own buffers)."""
+        updated = {str(n.args[0].target) for n in graph.nodes
+                   if n.op == "call_function" and "copy_" in str(n.target) and n.args
+                   and getattr(n.args[0], "op", None) == "get_attr"}
+        for name, where in self.buffer_writes:
+            if name not in updated:
+                owner = name.rpartition(".")[0]
+                at = f" at {where}" if where else ""
+                raise TraceError(
+                    f"the forward of '{owner or '<root>'}'{at} reassigns the buffer {name}, and torch.export's graph "
+                    "does not perform that update. Use frontend='symbolic' (that module stays eager) or 'subtrees', "
+                    "or update the buffer in place (self.avg.mul_(0.9).add_(...)).",
+                    module=owner, op="buffer update")
 
     @property
     def problems(self) -> list[TraceError]:
@@ -90,8 +110,12 @@ def watched_export(model: nn.Module) -> Iterator[ExportWatch]:
             "which keep the Function as one node that calls it.", module="", op=cls.__qualname__))
         break
     for module, name, where in writes:
-        if name in module._buffers or name in module._parameters or name.startswith("_fxdebug"):
-            continue  # buffer updates are recorded by torch.export and performed by the graph
+        if name in module._buffers:  # torch.export performs it when it records it: checked on the graph
+            path = paths.get(id(module), "")
+            watch.buffer_writes.append((f"{path}.{name}" if path else name, where))
+            continue
+        if name in module._parameters or name.startswith("_fxdebug"):
+            continue
         path = paths.get(id(module), "")
         at = f" at {where}" if where else ""
         problems.append(TraceError(

@@ -400,3 +400,52 @@ def test_attribute_the_forward_branches_on(frontend: str) -> None:
         assert any("attributes changed: scale" in n for n in dbg.report().notes)
     model.double = False
     assert_same_step(dbg, twin(model), x)
+
+
+def test_autocast_region_export() -> None:
+    model = Autocast()
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="export")
+    assert_same_step(dbg, twin(model), x)
+
+
+def test_export_refuses_a_submodule_buffer_update_it_loses() -> None:
+    """torch 2.13's non-strict export writes back only the root's reassigned buffers."""
+    model = Outer()
+    with pytest.raises(fxdebug.TraceError, match=r"reassigns the buffer ema\.avg") as info:
+        fxdebug.instrument(model, passes(), example_inputs=(torch.randn(3, 4),), frontend="export")
+    assert info.value.module == "ema" and "test_faithful.py" in info.value.message
+    assert torch.equal(model.ema.avg, torch.zeros(4))
+
+
+@pytest.mark.parametrize("frontend", ("auto", "subtrees"))
+def test_buffer_reassignment_in_a_submodule(frontend: str) -> None:
+    model = Outer()
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend=frontend)
+    assert torch.equal(model.ema.avg, torch.zeros(4))
+    ref = twin(model)
+    for _ in range(2):
+        assert_same_step(dbg, ref, x)
+    assert torch.equal(model.ema.avg, ref.ema.avg) and model.ema.avg.abs().sum() > 0
+
+
+def test_root_buffer_reassignment_subtrees() -> None:
+    model = EMA()
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="subtrees")
+    ref = twin(model)
+    assert_same_step(dbg, ref, x)
+    assert torch.equal(model.avg, ref.avg) and model.avg.abs().sum() > 0
+
+
+def test_hooks_on_inner_modules_subtrees() -> None:
+    model = Small()
+    features: list[Tensor] = []
+    model.b.register_forward_hook(lambda m, args, out: features.append(out))
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="subtrees")
+    features.clear()
+    dbg(x)
+    assert len(features) == 1 and type(features[0]) is Tensor
+    torch.testing.assert_close(features[0], model(x), rtol=0, atol=0)

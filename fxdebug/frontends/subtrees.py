@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..inputs import CallInputs, preserved_state
 from ..errors import MissingInputsError, UsageError
-from ..faithful import sync_attributes
+from ..faithful import sync_attributes, sync_tensors
 from ..instrumented import Instrumented
 from ..meta import KEY, GraphRecord, fx_meta
 from ..serialize import deserialize_graph, serialize_graph
@@ -276,13 +276,15 @@ class SubtreeInstrumented(Instrumented):
         if copies is None:  # the shallow copies _shell made (root, parents of captured parts)
             copies = [m for m in self._shell.modules() if "_fxdebug_original" in m.__dict__]
             self.__dict__["_fxdebug_copies"] = copies
-        for c in copies:  # Python state (self.calls += 1) lives on the model, as if it ran itself
+        for c in copies:  # Python state (self.calls += 1) and rebound buffers live on the model
             sync_attributes(c.__dict__["_fxdebug_original"], c)
+            sync_tensors(c.__dict__["_fxdebug_original"], c)
         try:
             return self._shell(*args, **kwargs)
         finally:
             for c in copies:
                 sync_attributes(c, c.__dict__["_fxdebug_original"])
+                sync_tensors(c, c.__dict__["_fxdebug_original"], parameters=False)
 
     def parts(self) -> dict[str, Instrumented]:
         """``{module path: Instrumented}`` for every captured submodule, in execution order."""
