@@ -312,7 +312,7 @@ def capture_export(
     info = TraceInfo(frontend="export")
     shell = export_shell(model)  # the root's own hooks run at call time, not inside the graph
     try:
-        with watched_export(shell) as problems:
+        with watched_export(shell) as watch:
             program = _export(shell, args, kwargs, dynamic_batch, info.notes)
     except TraceError:
         raise
@@ -324,12 +324,14 @@ def capture_export(
             "frontend='subtrees' keeps the root eager and instruments the submodules that can be captured.",
             op=type(model).__name__,
         ) from exc
-    if problems:  # what export would get wrong (autograd.Functions, Python state): see faithful_export
-        raise problems[0]
+    if watch.problems:  # what export would get wrong (autograd.Functions, Python state): see faithful_export
+        raise watch.problems[0]
+    info.guards = watch.guards
     exported = program.module()
     graph = exported.graph
     space = nn.Module()
     moved = _rehome_state(model, exported, graph, space)
+    watch.check_buffer_updates(graph)  # every buffer the forward reassigned is updated by the graph
     _replace_guards(graph, space)
     annotate_export(graph, model)
     if moved:
