@@ -7,11 +7,11 @@ threshold) and a suggested fix. Kinds, in the order they are listed:
 ``CheckFailed``             a batch failed a check (shape, device, raise-mode NaN) in ``collect``
 ``NonFiniteOrigin``         the first node that turned finite inputs into NaN/Inf (forward), or
                             where a non-finite gradient entered (backward)
+``DeadActivations``         an activation (ReLU, GELU, ...) whose share of never-positive
+                            channels is at least ``dead`` (default 0.5)
 ``ExplodingGradients``      max |gradient| above ``exploding`` (default 1e3) over a run of nodes
 ``VanishingGradients``      max |gradient| below ``vanishing`` (default 1e-7) over a run of nodes,
                             e.g. "gradients vanish at and below layer1.1: max |g| 2e-9"
-``DeadActivations``         an activation (ReLU, GELU, ...) whose share of never-positive
-                            channels is at least ``dead`` (default 0.5)
 ``HotSpot``                 any other probe column declared with the ``COLOR`` role whose value
                             reaches its declared threshold
 ==========================  ==================================================================
@@ -360,8 +360,8 @@ def find(report: Any, *, vanishing: float | None = None, exploding: float | None
         from .errors import UsageError
 
         raise UsageError(f"findings(vanishing={rules.vanishing}, exploding={rules.exploding}): need 0 < vanishing < exploding.")
-    groups = [_failure(report), _nonfinite_findings(report, gm), _gradient_findings(report, rules),
-              _dead_findings(report, rules), _hot_spots(report)]
+    groups = [_failure(report), _nonfinite_findings(report, gm), _dead_findings(report, rules),
+              _gradient_findings(report, rules), _hot_spots(report)]  # causes (dead units) before symptoms
     out: list[Finding] = []
     for group in groups:
         by_kind: dict[str, int] = {}

@@ -83,3 +83,17 @@ def test_distributed_doc_example_under_torchrun(tmp_path):
     assert proc.returncode == 0, out
     assert "origin: call 2, rank 1, node 'sqrt'" in out, out
     assert "each rank alone: ['fc1', 'sqrt']" in out and "from 256 values" in out, out
+
+
+def test_training_doc_walkthrough(tmp_path, monkeypatch):
+    """docs/training.md: collect with a progress bar, findings, both plots, TensorBoard, reversal, freezing."""
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    for block in _blocks("docs/training.md"):
+        _run(block, ns, "training.md")
+    for name in ("training-gradient-flow.png", "training-activations.png", "training-gradient-flow-fixed.png",
+                 "training-sensitivity.svg"):
+        assert (tmp_path / name).stat().st_size > 1000, name
+    assert ns["written"] > 50 and any((tmp_path / "runs" / "fxdebug").iterdir())
+    assert [f.kind for f in ns["report"].findings()] == ["dead_activations", "vanishing_gradients"]
+    assert ns["fixed"].findings() == [] and ns["slowest"]["time_ms"] > 0

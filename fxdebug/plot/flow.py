@@ -113,6 +113,10 @@ def gradient_flow(report: Any, path: str | os.PathLike[str], *, vanishing: float
     bottom = min([_FLOOR * 10, lo / 100] + [v / 10 for v in finite])
     top = max([hi * 100] + [v * 10 for v in finite])
     ax.set_ylim(bottom, top)
+    zeros = [x for x, v in zip(xs, maxes) if v is not None and math.isfinite(v) and v <= 0]
+    if zeros:  # a zero gradient has no bar on a log axis: mark it on the floor
+        ax.plot(zeros, [bottom * 3] * len(zeros), "x", color="#cb181d", markersize=9, mew=2, zorder=4,
+                label="zero gradient")
     ax.axhspan(bottom, lo, color="#fdd0a2", alpha=0.6, zorder=1, label=f"vanishing (< {lo:.0e})")
     ax.axhspan(hi, top, color="#fcbba1", alpha=0.6, zorder=1, label=f"exploding (> {hi:.0e})")
     ax.set_xticks(xs)
@@ -160,7 +164,10 @@ def activations(report: Any, path: str | os.PathLike[str], *, title: str | None 
            label="mean ± std", zorder=3)
     ax.plot(xs, [m if m is not None else math.nan for m in means], "o", color="#08306b", markersize=3,
             label="mean", zorder=4)
-    ax.set_yscale("symlog", linthresh=1.0)
+    spread = [abs(v) for v in lows + highs if v is not None]
+    typical = sorted(spread)[len(spread) // 2] if spread else 1.0
+    if spread and max(spread) > 100 * max(typical, 1e-12):  # a few huge ranges: keep the small ones readable
+        ax.set_yscale("symlog", linthresh=max(typical, 1e-6))
     ax.set_ylabel("activation value")
     ax.set_xticks(xs)
     ax.set_xticklabels(labels, rotation=90, fontsize=7)
@@ -168,8 +175,10 @@ def activations(report: Any, path: str | os.PathLike[str], *, title: str | None 
     ax.grid(axis="y", alpha=0.3, zorder=0)
     ax2 = ax.twinx()
     dead_x = [x for x, d in zip(xs, dead) if d is not None]
-    ax2.bar(dead_x, [d for d in dead if d is not None], width=0.25, color="#de2d26", alpha=0.75,
-            label="dead fraction (activations)", zorder=5)
+    ax2.bar(dead_x, [d for d in dead if d is not None], width=0.7, color="#de2d26", alpha=0.25,
+            label="dead fraction (activations)", zorder=1)
+    ax.set_zorder(ax2.get_zorder() + 1)  # the ranges in front of the dead-fraction bars
+    ax.patch.set_visible(False)
     ax2.set_ylim(0, 1.0)
     ax2.set_ylabel("dead fraction", color="#de2d26")
     heading = title or f"activations — {n} nodes in execution order"
