@@ -6,7 +6,8 @@ model with no error at all:
 
 * a custom ``torch.autograd.Function`` is traced *through* its ``forward``, so its own
   ``backward`` (straight-through estimators, gradient reversal, fused kernels) is dropped;
-* ``with torch.no_grad():`` / ``enable_grad`` / ``set_grad_enabled`` / ``autocast`` regions only
+* ``with torch.no_grad():`` / ``enable_grad`` / ``set_grad_enabled`` / ``inference_mode`` /
+  ``autocast`` regions only
   switched the mode while tracing, so the graph computes gradients (or dtypes) the model does not;
 * ``self.avg = ...`` / ``self.calls += 1`` would store a proxy into the user's model, and the
   graph would never perform the update;
@@ -43,6 +44,8 @@ __all__ = [
     "grad_enter",
     "grad_exit",
     "has_call_hooks",
+    "inference_enter",
+    "inference_exit",
     "sync_attributes",
     "sync_tensors",
     "patched_for_tracing",
@@ -119,6 +122,19 @@ def autocast_enter(device_type: str, dtype: Any, enabled: bool, cache_enabled: A
 
 @has_side_effect
 def autocast_exit(ctx: Any) -> None:
+    ctx.__exit__(None, None, None)
+
+
+@has_side_effect
+def inference_enter(mode: bool) -> Any:
+    """Enter ``torch.inference_mode(mode)`` for a region of the graph; returns the context to leave."""
+    ctx = torch._C._InferenceMode(mode)
+    ctx.__enter__()
+    return ctx
+
+
+@has_side_effect
+def inference_exit(ctx: Any) -> None:
     ctx.__exit__(None, None, None)
 
 
@@ -265,6 +281,8 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
         (grad_mode.enable_grad, "__exit__", _grad_region_exit),
         (grad_mode.set_grad_enabled, "__init__", _set_grad_init),
         (grad_mode.set_grad_enabled, "__exit__", _grad_region_exit),
+        (grad_mode.inference_mode, "__enter__", _inference_enter),
+        (grad_mode.inference_mode, "__exit__", _inference_exit),
         (autocast, "__enter__", _autocast_enter),
         (autocast, "__exit__", _autocast_exit),
         (nn.Module, "__setattr__", _setattr),
@@ -351,6 +369,28 @@ def _set_grad_init(self: Any, mode: bool) -> None:
         self._fxdebug_prev = tracer.create_proxy("call_function", grad_enter, (bool(mode),), {})
     with _unrecorded():
         _original(grad_mode.set_grad_enabled, "__init__")(self, mode)
+
+
+def _inference_enter(self: Any) -> None:
+    from torch.autograd import grad_mode
+
+    tracer = _tracer()
+    if tracer is None:
+        return _original(grad_mode.inference_mode, "__enter__")(self)
+    self._fxdebug_ctx = tracer.create_proxy("call_function", inference_enter, (bool(self.mode),), {})
+    return None
+
+
+def _inference_exit(self: Any, *exc: Any) -> None:
+    from torch.autograd import grad_mode
+
+    proxy = self.__dict__.pop("_fxdebug_ctx", None)
+    if proxy is None:
+        return _original(grad_mode.inference_mode, "__exit__")(self, *exc)
+    tracer = _tracer()
+    if tracer is not None:
+        tracer.create_proxy("call_function", inference_exit, (proxy,), {})
+    return None
 
 
 def _autocast_enter(self: Any) -> Any:

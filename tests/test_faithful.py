@@ -449,3 +449,23 @@ def test_hooks_on_inner_modules_subtrees() -> None:
     dbg(x)
     assert len(features) == 1 and type(features[0]) is Tensor
     torch.testing.assert_close(features[0], model(x), rtol=0, atol=0)
+
+
+class Inference(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.inference_mode():
+            t = self.b(x)
+        return self.a(x) * t.clone()
+
+
+def test_inference_mode_region_symbolic() -> None:
+    model = Inference()
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="symbolic")
+    assert_same_step(dbg, twin(model), x)
+    assert model.b.weight.grad is None and model.a.weight.grad is not None

@@ -251,6 +251,12 @@ def test_instrumented_equals_the_model_in_both_modes(spec: ModelSpec, first: boo
         assert (gx is None and gx_ref is None) or torch.equal(gx, gx_ref)
         assert_same_values(model, ref)
         assert _counters(model) == _counters(ref)
+    if spec.seed % 3 == 0:  # fxdebug.verify agrees, and leaves the model as the steps above left it
+        after = snapshot(model)
+        result = fxdebug.verify(dbg, x)
+        assert result.ok, str(result)
+        assert_same_state(after, snapshot(model))
+        STATS["verified"] += 1
 
 
 # -- transform passes: exact where the change is meant to be exact ---------------------------------
