@@ -50,3 +50,23 @@ def test_compiled_instrumented_module_counts_each_call_once_without_breaks():
     assert relu["max"] == pytest.approx(float(expected.max()))
     assert report.first_nonfinite is None
     assert report.calls == calls and report.row("input_1")["calls"] == calls  # NaNCheck-only row
+
+
+def test_inductor_compiles_the_fused_op_in_place():
+    """Inductor compiles the graph with the fused op (its fake implementation traces, the state
+    table's mutation is functionalised and written back): outputs equal, each call counted once."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _model()
+    x = torch.randn(2, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,))
+    compiled = torch.compile(dbg)
+    with torch.no_grad():
+        for _ in range(3):
+            out = compiled(x)
+    assert torch.equal(out, model(x))
+    report = dbg.report()
+    assert report.row("_2")["calls"] == 3 and report.calls == 3
+    assert report.row("_2")["count"] == 3 * 2 * 4 * 6 * 6
+    torch._dynamo.reset()
