@@ -97,3 +97,11 @@ def test_training_doc_walkthrough(tmp_path, monkeypatch):
     assert ns["written"] > 50 and any((tmp_path / "runs" / "fxdebug").iterdir())
     assert [f.kind for f in ns["report"].findings()] == ["dead_activations", "vanishing_gradients"]
     assert ns["fixed"].findings() == [] and ns["slowest"]["time_ms"] > 0
+
+
+def test_faithful_doc_example():
+    """docs/faithful.md: an STE, a no_grad teacher and dropout, instrumented in eval, verified in both modes."""
+    ns = _run(_blocks("docs/faithful.md")[0], {}, "faithful.md")
+    assert ns["result"].ok and ns["result"].modes == ("train", "eval")
+    assert ns["model"].teacher.weight.grad is None and ns["model"].student.weight.grad is not None
+    assert ns["dbg"].training
