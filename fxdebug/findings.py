@@ -323,7 +323,8 @@ def _hot_spots(report: Any) -> list[Finding]:
                 out.append(HotSpot(node=r["node"], module=_mod(r), figure=v, nodes=(r["node"],),
                                    message=f"{label} {_fmt(v)} at {_where(r)} reaches its threshold {_fmt(col.threshold)}"
                                            + (f" ({col.doc})" if col.doc else "") + ".",
-                                   fix="see the probe's documentation for what the column measures."))
+                                   fix=f"look at {r['node']} first: the {label} column marks the nodes that "
+                                       "stand out (see the probe that declares it)."))
     return out
 
 

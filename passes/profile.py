@@ -129,7 +129,8 @@ class TimeProbe(Probe):
     columns = (
         Column("time_ms", doc="mean wall time per call of the node's op, milliseconds"),
         Column("time_total_ms", roles=HIDDEN, doc="wall time over every call, milliseconds"),
-        Column("time_share", roles=COLOR, doc="the node's total time over the slowest profiled node's"),
+        Column("time_share", roles=COLOR, threshold=0.5, label="time share",
+               doc="the node's total time over the slowest profiled node's (the picture marks those >= 0.5)"),
     )
 
     def __init__(self, timer: _Timer, group: list["TimeProbe"]) -> None:

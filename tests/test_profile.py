@@ -26,7 +26,7 @@ def test_record_function_ranges_carry_node_names_and_forward_is_unchanged():
     assert dbg.report().rows and all("time_ms" not in r for r in dbg.report().rows)  # time=False: no column
 
 
-def test_time_columns_per_node_and_reset():
+def test_time_columns_per_node_and_reset(tmp_path):
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
     dbg = fxdebug.instrument(model, [StatCollector(), Profile(time=True)], example_inputs=(x,))
@@ -43,6 +43,11 @@ def test_time_columns_per_node_and_reset():
     dbg.reset()
     dbg(x)
     assert dbg.report().row("fc")["time_total_ms"] == dbg.report().row("fc")["time_ms"]  # one call since reset
+    hot = [f for f in dbg.report().findings() if f.kind == "hot_spot"]
+    assert hot and all(dbg.report().row(f.node)["time_share"] >= 0.5 for f in hot)
     twin = copy.deepcopy(dbg)
     twin(x)
     assert twin.report().row("fc")["time_ms"] > 0
+    svg = (tmp_path / "t.svg")
+    dbg.render(str(svg))
+    assert "hot: time_share 1" in svg.read_text()  # the slowest node is marked on the picture
