@@ -41,7 +41,7 @@ from . import authoring
 from .api import instrument, render, trace
 from .instrumented import Instrumented
 from . import numerics
-from .numerics import diff, precision_plan
+from .numerics import diff, precision_plan, repro
 from .module_outputs import outputs_of
 from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from .observe import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
@@ -90,6 +90,7 @@ __all__ = [
     "plot",
     "precision_plan",
     "render",
+    "repro",
     "sensitivity",
     "to_networkx",
     "trace",

@@ -137,3 +137,18 @@ def test_tiny_gpt2(dtype):
     assert worst < (1e-5 if dtype == torch.float32 else 0.1)
     if dtype == torch.bfloat16:
         assert worst > 1e-3
+
+
+@pytest.mark.parametrize("order", ["shadow-first", "shadow-last"])
+def test_shadow_composes_with_nan_check_in_either_order(order):
+    model, (x,) = cancelling_norm()
+    low, xb = model.to(torch.bfloat16), x.bfloat16()
+    from fxdebug.passes import NaNCheck
+
+    passes = [Shadow(), NaNCheck()] if order == "shadow-first" else [NaNCheck(), Shadow()]
+    dbg = fxdebug.instrument(low, passes, example_inputs=(xb,))
+    dbg(xb)
+    report = dbg.report()
+    assert report.precision_origin == "sub" and report.first_nonfinite is None
+    assert all("nonfinite_calls" in r for r in report.rows)
+    assert all("acc_err" in r for r in report.rows if r["node"] != "x")  # the input itself is not shadowed

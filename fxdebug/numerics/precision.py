@@ -229,7 +229,8 @@ def precision_plan(model: nn.Module, example_inputs: Any, dtype: torch.dtype = t
 
     ``model`` is not changed (a copy is converted). ``max_nodes`` caps the plan's size.
     """
-    import fxdebug
+    from ..api import instrument
+    from ..inputs import Inputs
 
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) or torch.finfo(dtype).bits > 32:
         raise UsageError(f"precision_plan(dtype={dtype!r}): dtype is the reduced precision to run in, "
@@ -239,14 +240,14 @@ def precision_plan(model: nn.Module, example_inputs: Any, dtype: torch.dtype = t
     args, kwargs = _inputs(example_inputs)
     low = copy.deepcopy(model).to(dtype)
     low_args, low_kwargs = tree_cast((args, kwargs), dtype)
-    low_inputs = fxdebug.Inputs(*low_args, **low_kwargs)
+    low_inputs = Inputs(*low_args, **low_kwargs)
 
     with torch.no_grad():
-        shadow = fxdebug.instrument(low, [_ShadowAll()], example_inputs=low_inputs)
+        shadow = instrument(low, [_ShadowAll()], example_inputs=low_inputs)
         _seeded(shadow, low_args, low_kwargs)
         growth = {r["node"]: r["err_growth"] for r in shadow.report().rows if r.get("err_growth") is not None}
         del shadow
-        search = fxdebug.instrument(low, [_KeepAll()], example_inputs=low_inputs)
+        search = instrument(low, [_KeepAll()], example_inputs=low_inputs)
     keeps = {m.node_name: m for m in search.modules() if isinstance(m, KeepFloat)}
     saved = [(b, b.detach().clone()) for b in low.buffers()]
     by_name = {n.name: n for n in search.graph.nodes}

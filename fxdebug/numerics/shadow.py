@@ -312,18 +312,23 @@ def add_shadow(gm: GraphModule, ctx: PassContext, nodes: Sequence[Node], dtype: 
             added.append(_mark(snap, node))
             rargs, rkwargs = snap, {}
         op = ShadowOp(node.name, node.op, node.target, kind, dtype, snapshot=inplace)
-        with graph.inserting_after(node):
+        anchor = node
+        if node in reported:
+            # The observer first, the shadow op after it: the probe's fresh state (first call,
+            # or after reset()) clears the op's maxima before the op records this call.
+            obs = ctx.observe(node, ShadowProbe(op))
+            if obs is not None:
+                added.append(obs)
+            anchor = next((u for u in node.users if fx_meta(u).get("observes") == node.name
+                           and u.op == "call_module"), node)
+        with graph.inserting_after(anchor):
             mod_node = graph.get_attr(str(node.target)) if module is not None else None
         if mod_node is not None:
             added.append(_mark(mod_node, node))
         new = ctx.insert_after(node, op, (node, mod_node, sargs, skwargs, rargs, rkwargs),
-                               hint=f"shadow_{node.name}", after=mod_node)
+                               hint=f"shadow_{node.name}", after=mod_node if mod_node is not None else anchor)
         added.append(_mark(new, node))
         shadow_of[node] = new
-        if node in reported:
-            obs = ctx.observe(node, ShadowProbe(op))
-            if obs is not None:
-                added.append(obs)
     return added
 
 
