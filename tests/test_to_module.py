@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
@@ -105,3 +106,91 @@ def test_instrumented_module_is_unchanged_by_to_module():
     assert len(list(dbg.graph.nodes)) == before and dbg.observers()
     dbg(x)
     assert dbg.report().calls == 1
+
+
+# -- shrink=True ---------------------------------------------------------------------------------
+SHRINKS = {"residual_cnn", "transformer_block", "functional_ops", "shared_module", "dict_outputs", "control_flow"}
+
+
+def _flops(m, ex) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        _call(m, ex)
+    return counter.get_total_flops()
+
+
+def _close(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(torch.allclose(x, y, atol=1e-5, rtol=1e-4) for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_shrink_removes_pruned_channels_and_keeps_the_masked_outputs(name):
+    model, ex = ZOO[name]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=ex)
+    plain, small = dbg.to_module(), dbg.to_module(shrink=True)
+    with torch.no_grad():
+        assert _close(_call(small, ex), _call(dbg, ex))
+    n_plain, n_small = (sum(p.numel() for p in m.parameters()) for m in (plain, small))
+    if name in SHRINKS:
+        assert n_small < n_plain and _flops(small, ex) < _flops(plain, ex)
+    else:  # nothing removable was pruned (the only layer is the output layer, an LSTM, an embedding)
+        assert n_small <= n_plain
+    buf = io.BytesIO()
+    torch.save(small, buf)
+    buf.seek(0)
+    with torch.no_grad():
+        assert _close(_call(torch.load(buf, weights_only=False), ex), _call(dbg, ex))
+
+
+class CatBlock(nn.Module):
+    """Two branches concatenated, a batch-norm over the concatenation, a residual add, a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 6, 3, padding=1)
+        self.b = nn.Conv2d(3, 10, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.c = nn.Conv2d(16, 16, 3, padding=1)
+        self.d = nn.Conv2d(16, 16, 1)
+        self.fc = nn.Linear(16 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(torch.cat([self.a(x), self.b(x)], 1)))
+        z = self.c(y) + self.d(y)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(torch.relu(z), 4), 1))
+
+
+def test_shrink_across_concatenation_batch_norm_residual_and_flatten():
+    torch.manual_seed(0)
+    model = CatBlock().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,))
+    small = dbg.to_module(shrink=True)
+    assert small.get_submodule("a").out_channels < 6 and small.get_submodule("b").out_channels < 10
+    assert small.get_submodule("bn").num_features == small.get_submodule("a").out_channels + small.get_submodule("b").out_channels
+    assert small.get_submodule("c").out_channels == small.get_submodule("d").out_channels < 16  # coupled by the add
+    assert small.get_submodule("fc").in_features == small.get_submodule("c").out_channels * 16
+    torch.testing.assert_close(small(x), dbg(x), atol=1e-5, rtol=1e-4)
+
+
+def test_shrink_tiny_llama_with_grouped_query_attention():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=100, max_position_embeddings=32, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    dbg = fxdebug.instrument(model, [PruneMasks(0.3, structured="channels")], example_inputs={"input_ids": ids})
+    plain, small = dbg.to_module(), dbg.to_module(shrink=True)
+    mlp = small.model.layers[0].mlp
+    assert mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features < 64
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in plain.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(small(input_ids=ids).logits, dbg(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
+        assert _flops(small, {"input_ids": ids}) < _flops(plain, {"input_ids": ids})
