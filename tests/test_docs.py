@@ -105,3 +105,15 @@ def test_faithful_doc_example():
     assert ns["result"].ok and ns["result"].modes == ("train", "eval")
     assert ns["model"].teacher.weight.grad is None and ns["model"].student.weight.grad is not None
     assert ns["dbg"].training
+
+
+def test_numerics_doc_examples(tmp_path, monkeypatch):
+    """docs/numerics.md: Shadow names the cancellation, the plan fixes it, diff finds it, the recorder
+    keeps the calls before a NaN and repro's script reproduces it in a fresh process."""
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    for block in _blocks("docs/numerics.md"):
+        _run(block, ns, "numerics.md")
+    assert ns["report"].precision_origin == "sub" and "sub" in ns["plan"].nodes
+    assert ns["d"].first_divergent == "sub"
+    assert ns["rep"].reproduced and ns["done"].returncode == 1 and (tmp_path / "nan_repro.pt").exists()
