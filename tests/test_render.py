@@ -311,3 +311,14 @@ def test_render_doc_examples(tmp_path, monkeypatch):
     nodes, _ = parse(tmp_path / "demo.svg")
     assert nodes["log"]["fill"] == COLORS["origin"] and nodes["stage2_act"]["fill"] == COLORS["dead"]
     assert "window.fxdebugViewer" in (tmp_path / "demo.html").read_text(encoding="utf-8")
+
+
+def test_cli_render_html(tmp_path, capsys):
+    from fxdebug.cli import main
+
+    zoo = Path(__file__).resolve().parent / "zoo.py"
+    assert main(["render", f"{zoo}:ResidualCNN", "--input", "1,3,32,32", "--html", "-o", str(tmp_path / "g.svg")]) == 0
+    page = (tmp_path / "g.html").read_text(encoding="utf-8")
+    assert '"name":"layer1_0_conv1"' in page and "window.fxdebugViewer" in page
+    assert not (tmp_path / "g.svg").exists()
+    assert "g.html" in capsys.readouterr().out
