@@ -89,7 +89,9 @@ class _FailureLocatingTracer(Tracer):
     def create_node(self, *args: Any, **kwargs: Any) -> Any:
         node = super().create_node(*args, **kwargs)
         if node.op not in ("placeholder", "output") and not node.stack_trace:
-            node.stack_trace = _user_frame_text()
+            source = _user_frame_text()  # under fxdebug's own key: torch's stack_trace is only read
+            if source:
+                fx_meta(node)["source"] = source
         return node
 
     def create_arg(self, a: Any) -> Any:
