@@ -18,7 +18,7 @@ from torch.fx import GraphModule, Node
 
 from .context import PassContext
 from .errors import FxDebugError, PassError
-from .meta import describe, fx_meta, is_instrumentation
+from .meta import describe, is_instrumentation, node_meta
 from .select import Where
 
 __all__ = ["Pass", "PassManager", "PassResult", "graph_pass", "node_pass"]
@@ -192,16 +192,15 @@ class PassManager:
         dead_replacements = {new for old, new in result.replaced.items() if old in unused_before}
         self._check(p, gm, [n for n in added if n.name not in dead_replacements])
         for n in added:
-            fx_meta(n).setdefault("added_by", p.name)
+            if node_meta(n).added_by is None:
+                node_meta(n).added_by = p.name
         if not result.added:
             result.added = [n.name for n in added if not is_instrumentation(n)] or [n.name for n in added]
         by_name = {n.name: n for n in gm.graph.nodes}
         for new_name in result.replaced.values():
             node = by_name.get(new_name)
             if node is not None:
-                changed = fx_meta(node).setdefault("changed_by", [])
-                if p.name not in changed:
-                    changed.append(p.name)
+                node_meta(node).add_changed_by(p.name)
         alive = set(by_name.values())
         removed = [name for n, name in before.items() if n not in alive]
         if not result.removed:
@@ -225,7 +224,7 @@ class PassManager:
                             node=match.group(1) if match else None) from exc
         for n in added:
             if not n.users and n.op not in ("output", "placeholder") and not is_instrumentation(n) \
-                    and not fx_meta(n).get("keep_unused") and not n.is_impure():
+                    and not node_meta(n).keep_unused and not n.is_impure():
                 raise PassError(
                     f"pass '{p.name}' added {describe(n)} but nothing uses it: rewire its users "
                     "(ctx.insert_after(..., rewire=True)), erase it, or mark it with "

@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import UsageError
-from fxdebug.authoring import ObservationContext, Observer, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug.authoring import ObservationContext, Observer, PassContext, PassResult, Probe, Reductions, Where, node_meta
 
 __all__ = ["Capture"]
 
@@ -143,7 +143,7 @@ def _written_later(gm: GraphModule, node: Node) -> bool:
 
 def _observer_of(gm: GraphModule, node: Node) -> Observer:
     for user in node.users:
-        if fxdebug.fx_meta(user).get("observes") == node.name and user.op == "call_module":
+        if node_meta(user).observes == node.name and user.op == "call_module":
             module = gm.get_submodule(str(user.target))
             if isinstance(module, Observer):
                 return module
