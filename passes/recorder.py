@@ -1,8 +1,9 @@
 """``Recorder(history=N)``: a flight recorder of the last N calls' per-node statistics.
 
-Each watched node writes ``mean``, ``std``, ``min``, ``max``, ``norm`` and a NaN/Inf flag of its
-output into a ring buffer on its device every call, with no host sync; ``report().history``
-returns the calls (``History``: ``.calls``, ``.at(call)``, ``.node(name)``, ``.first_nonfinite``).
+The fused runtime's state table (every watched node's sums and NaN/Inf counts) is copied into a
+ring of N + 1 snapshots on the device at the end of every call — one copy per call, no host sync;
+``report().history`` returns per-call ``mean``, ``std``, ``norm``, ``nan``/``inf`` counts,
+``nonfinite`` and the running ``min_so_far``/``max_so_far`` of every watched node (``History``: ``.calls``, ``.at(call)``, ``.node(name)``, ``.first_nonfinite``).
 ``on_nonfinite=`` (a callable taking the report, or a path to write it to as JSON) fires at the
 end of the first call in which a watched node saw NaN/Inf, at the cost of reading one device flag
 per call — the one sync this option adds. ``NaNCheck(history=N, on_nonfinite=...)`` is the same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -58,8 +59,10 @@ def test_recorder_returns_the_calls_before_a_planted_nan():
     assert history.first_nonfinite == (9, "log")
     assert [c.call for c in history.before(9)] == [5, 6, 7, 8]
     assert all(not r.nonfinite for r in history.before(9))
-    before = history.at(8).nodes["log"]
-    assert before["min"] > -1 and not before["nonfinite"]
+    before, bad = history.at(8).nodes["log"], history.at(9).nodes["log"]
+    assert not before["nonfinite"] and before["nan"] == 0 and math.isfinite(before["mean"])
+    assert bad["nonfinite"] and bad["nan"] == 1 and math.isnan(bad["mean"])
+    assert history.at(9).nodes["fc"]["nan"] == 0  # the Linear stayed finite in the bad call
     assert fired[0].first_nonfinite == "log"
     later = dbg.report().history  # the ring moved on: the last 5 calls
     assert later.calls == [7, 8, 9, 10, 11]
@@ -81,8 +84,9 @@ def test_recorded_statistics_match_the_tensor():
     ref = model.ln1(xs[2]).detach()
     assert ln["mean"] == pytest.approx(float(ref.mean()), abs=1e-6)
     assert ln["std"] == pytest.approx(float(ref.std(unbiased=False)), rel=1e-4)
-    assert ln["min"] == pytest.approx(float(ref.min())) and ln["max"] == pytest.approx(float(ref.max()))
     assert ln["norm"] == pytest.approx(float(ref.norm()), rel=1e-6)
+    so_far = torch.cat([model.ln1(xi).detach().flatten() for xi in xs[:3]])
+    assert ln["max_so_far"] == pytest.approx(float(so_far.max())) and ln["min_so_far"] == pytest.approx(float(so_far.min()))
     assert [c for c, _ in h.node("attn_qkv")] == [1, 2, 3]
     assert "history" not in str(dbg.report()).split("\n")[1]  # a hidden column: not in the table
 

@@ -1,16 +1,23 @@
 """The flight recorder: the last N calls' per-node statistics, kept in a ring buffer on the device.
 
-Per watched node and call, ``RecorderProbe`` writes one small vector — ``mean``, ``std``,
-``min``, ``max``, ``norm`` (L2), ``nonfinite`` (1 when the output held NaN/Inf) — into slot
-``call % N`` of an ``(N, 6)`` tensor on the node's device, and the call index into a matching
-``(N,)`` tensor, with ``index_copy_`` and a device index: nothing is read back, so recording
-never synchronises. ``Report.history`` reassembles the slots into calls, oldest first.
+The fused observation runtime already accumulates, per watched node, the sums, counts and NaN/Inf
+tallies of every call in one float64 state table on the device (``fxdebug/runtime``). The recorder
+adds one node at the end of the graph that copies that whole table into slot ``call % (N + 1)`` of
+an ``(N + 1, table size)`` ring — one ``index_copy_`` per call, with a device index: no host
+sync, no per-node work. Per-call statistics are the differences of consecutive snapshots, so each
+watched node costs nothing more than its (already fused) observation; ``RecorderProbe`` only makes
+sure the node has a row in the table.
 
-``on_nonfinite`` (a callable, or a path) adds one node at the end of the graph that reads one
-device flag per call — "did any watched node see NaN/Inf in this call?" — the one host sync this
-option costs. At the end of the first call whose flag is set it calls ``on_nonfinite(report)``
-(the instrumented module's report, with ``.history`` holding the calls up to and including the
-bad one), or writes that report as JSON to the path. It fires once; ``reset()`` re-arms it.
+``Report.history`` reassembles calls, oldest first; per node and call: ``mean``, ``std``, ``norm``
+(that call's L2 norm), ``nan`` and ``inf`` (element counts), ``nonfinite`` (the call saw NaN/Inf),
+and ``min_so_far`` / ``max_so_far`` (the running extremes since ``reset()`` up to that call:
+the table keeps extremes as running values).
+
+``on_nonfinite`` (a callable, or a path) makes the end node also compare the watched nodes'
+count of NaN/Inf calls with the previous call's and read that one device flag — the one host sync
+this option costs. At the end of the first call whose flag is set it calls
+``on_nonfinite(report)`` (the instrumented module's report, whose ``.history`` ends with the bad
+call), or writes that report as JSON to the path. It fires once; ``reset()`` re-arms it.
 """
 
 from __future__ import annotations
@@ -27,39 +34,75 @@ from torch.fx import GraphModule, Node
 from ..columns import HIDDEN, Column
 from ..context import PassContext
 from ..meta import fx_meta
-from ..observe import ObservationContext, Probe, Reductions
+from ..observe import FusedProbe, FusedStats, Observer
+from ..runtime.slots import INDEX, K
 
 __all__ = ["STATS", "CallRecord", "Flight", "History", "RecorderEnd", "RecorderProbe", "add_recorder", "history_of"]
 
-STATS = ("mean", "std", "min", "max", "norm", "nonfinite")
+STATS = ("mean", "std", "norm", "nan", "inf", "nonfinite", "min_so_far", "max_so_far")
 
 
 class Flight:
-    """State shared by a graph's recorder probes and its end node: one NaN/Inf flag per device."""
+    """The ring of table snapshots (on the table's device) and what reads it."""
 
     def __init__(self, history: int) -> None:
         self.history = history
-        self.flags: dict[torch.device, Tensor] = {}
+        self.ring: Tensor | None = None
+        self.calls: Tensor | None = None
+        self.bad_total: Tensor | None = None
         self.fired = False
-        self.clock: Tensor | None = None  # the clock tick last seen: a new one means reset() ran
+        self.table: Tensor | None = None  # the state table last snapshotted
+        self._host: tuple[int, int, list[int], list[list[float]]] | None = None
 
-    def seen(self, clock: Tensor | None) -> None:
-        """Re-arm after ``Instrumented.reset()``, which replaces the clock's tick tensors."""
-        if clock is not None and clock is not self.clock:
-            if self.clock is not None and clock.device == self.clock.device:
-                self.reset()
-            self.clock = clock
+    def record(self, table: Tensor) -> None:
+        size = self.history + 1
+        if self.ring is None or self.ring.shape[1] != table.numel() or self.ring.device != table.device:
+            self.ring = torch.full((size, table.numel()), math.nan, dtype=table.dtype, device=table.device)
+            self.calls = torch.full((size,), -1, dtype=torch.int64, device=table.device)
+        call = table[:1].to(torch.int64)
+        slot = torch.remainder(call, size)
+        self.ring.index_copy_(0, slot, table.view(1, -1))
+        assert self.calls is not None
+        self.calls.index_copy_(0, slot, call)
 
-    def flag(self, device: torch.device) -> Tensor:
-        f = self.flags.get(device)
-        if f is None:
-            f = self.flags[device] = torch.zeros((), dtype=torch.bool, device=device)
-        return f
+    def went_bad(self, table: Tensor, rows: Tensor) -> Tensor:
+        """0-d bool on the device: did a watched node's NaN/Inf call count grow in this call?"""
+        total = table.view(-1, K)[rows + 1, INDEX["bad_calls"]].sum()
+        if self.bad_total is None or self.bad_total.device != total.device:
+            self.bad_total = torch.zeros_like(total)
+        bad = total > self.bad_total
+        self.bad_total.copy_(total)
+        return bad
 
     def reset(self) -> None:
-        for f in self.flags.values():
-            f.zero_()
+        self.ring = self.calls = self.bad_total = self.table = None
         self.fired = False
+        self._host = None
+
+    def host(self) -> tuple[list[int], list[list[float]]] | None:
+        """Recorded call indices and snapshots on the host (one copy, cached until the next write)."""
+        if self.ring is None or self.calls is None or self.ring.device.type == "meta":
+            return None
+        key = (id(self.ring), self.ring._version)
+        if self._host is None or self._host[:2] != key:
+            self._host = (*key, self.calls.cpu().tolist(), self.ring.cpu().tolist())
+        return self._host[2], self._host[3]
+
+    def node_history(self, row: int) -> list[tuple[int, dict[str, Any]]]:
+        """``[(call, stats), ...]`` for table row ``row``, oldest first (see the module doc)."""
+        got = self.host()
+        if got is None:
+            return []
+        calls, snaps = got
+        by_call = {c: snaps[i] for i, c in enumerate(calls) if c >= 0}
+        out = []
+        for c in sorted(by_call):
+            if c - 1 not in by_call and c != 0:
+                continue  # the oldest snapshot only serves as the base of the next call's differences
+            now = _fields(by_call[c], row)
+            before = _fields(by_call[c - 1], row) if c - 1 in by_call else None
+            out.append((c, _per_call(now, before)))
+        return out[-self.history:]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Flight":
         new = Flight(self.history)
@@ -67,68 +110,77 @@ class Flight:
         return new
 
 
-class RecorderProbe(Probe):
-    """Writes this call's statistics of the node's output into the ring buffer (see module doc)."""
+def _fields(snap: list[float], row: int) -> dict[str, float]:
+    base = K * (row + 1)
+    return {name: snap[base + i] for name, i in INDEX.items()}
+
+
+def _per_call(now: dict[str, float], before: dict[str, float] | None) -> dict[str, Any]:
+    def delta(name: str) -> float:
+        return now[name] - (before[name] if before is not None else 0.0)
+
+    n = delta("count")
+    mean = delta("sum") / n if n else math.nan
+    var = delta("sumsq") / n - mean * mean if n else math.nan
+    return {
+        "mean": mean,
+        "std": math.sqrt(var) if var >= 0 else (0.0 if var > -1e-9 else math.nan),
+        "norm": delta("norm"),
+        "nan": int(delta("nan")),
+        "inf": int(delta("inf")),
+        "nonfinite": delta("bad_calls") > 0,
+        "min_so_far": now["min"],
+        "max_so_far": now["max"],
+    }
+
+
+class RecorderProbe(FusedProbe):
+    """Gives the node a row in the fused table and reads its recorded calls for the report."""
 
     key = "recorder"
     columns = (Column("history", roles=HIDDEN, doc="the last N calls' statistics of this output (Report.history)"),)
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight
+        self.observer: Observer | None = None
 
-    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
-        n = self.flight.history
-        return {"ring": torch.zeros(n, len(STATS), dtype=torch.float64, device=x.device),
-                "calls": torch.full((n,), -1, dtype=torch.int64, device=x.device),
-                "n": torch.tensor([n], dtype=torch.int64, device=x.device)}
-
-    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
-        x = r.x
-        if x.numel() == 0:
-            return
-        self.flight.seen(ctx.clock)
-        clock = ctx.clock if ctx.clock is not None else torch.full((), ctx.call, dtype=torch.int64, device=x.device)
-        slot = torch.remainder(clock.view(1), state["n"])
-        total = r["sum"].to(torch.float64)
-        n = float(x.numel())
-        mean = total / n
-        norm = r["norm2"].to(torch.float64)
-        var = (norm * norm / n - mean * mean).clamp_min(0)
-        lo, hi = r["min"].to(torch.float64), r["max"].to(torch.float64)
-        bad = ~(torch.isfinite(lo) & torch.isfinite(hi) & torch.isfinite(total))
-        vec = torch.stack([mean, var.sqrt(), lo, hi, norm, bad.to(torch.float64)])
-        state["ring"].index_copy_(0, slot, vec.view(1, -1))
-        state["calls"].index_copy_(0, slot, clock.view(1))
-        self.flight.flag(x.device).logical_or_(bad)
-
-    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
-        ring, calls = state["ring"], state["calls"]
-        if ring.device.type == "meta":
+    def summary_from(self, stats: FusedStats, phase: str) -> dict[str, Any]:
+        if phase != "forward" or self.observer is None or "forward" not in self.observer.fused_rows:
             return {}
-        rows = ring.cpu().tolist()
-        entries = sorted((int(c), dict(zip(STATS, v))) for c, v in zip(calls.cpu().tolist(), rows) if c >= 0)
-        for _, stats in entries:
-            stats["nonfinite"] = bool(stats["nonfinite"])
-        return {"history": entries}
+        return {"history": self.flight.node_history(self.observer.fused_rows["forward"][0])}
 
 
 class RecorderEnd(nn.Module):
-    """The end-of-call check behind ``on_nonfinite``: one device flag read per call (a sync)."""
+    """The end-of-call node: snapshots the table; with ``on_nonfinite``, reads one device flag."""
 
-    def __init__(self, flight: Flight, on_nonfinite: Callable[[Any], Any] | str) -> None:
+    def __init__(self, flight: Flight, observers: Sequence[Observer],
+                 on_nonfinite: Callable[[Any], Any] | str | None) -> None:
         super().__init__()
         object.__setattr__(self, "flight", flight)
+        object.__setattr__(self, "observers", list(observers))
         self.on_nonfinite = on_nonfinite
+        self._rows: Tensor | None = None
         self._owner: Any = None
 
     def bind(self, gm: nn.Module) -> None:
         self._owner = weakref.ref(gm)
 
-    def forward(self, *outputs: Any) -> None:
-        flight = self.flight
-        if flight.fired or not flight.flags:
+    def forward(self, table: Any, *outputs: Any) -> None:
+        if not isinstance(table, Tensor):
             return None
-        if not any(bool(f) for f in flight.flags.values() if f.device.type != "meta"):  # the documented sync
+        flight = self.flight
+        if flight.table is not table:  # a new table: first call, or reset() (which re-creates it)
+            if flight.table is not None:
+                flight.reset()
+            flight.table = table
+        flight.record(table)
+        if self.on_nonfinite is None or flight.fired or table.device.type == "meta":
+            return None
+        rows = self._rows
+        if rows is None or rows.device != table.device:
+            ids = [o.fused_rows["forward"][0] for o in self.observers if "forward" in o.fused_rows]
+            rows = self._rows = torch.tensor(ids, dtype=torch.int64).to(table.device)
+        if not bool(flight.went_bad(table, rows)):  # the documented sync: one flag per call
             return None
         flight.fired = True
         owner = self._owner() if self._owner is not None else None
@@ -142,7 +194,7 @@ class RecorderEnd(nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> "RecorderEnd":
         import copy
 
-        new = RecorderEnd(copy.deepcopy(self.flight, memo), self.on_nonfinite)
+        new = RecorderEnd(copy.deepcopy(self.flight, memo), copy.deepcopy(self.observers, memo), self.on_nonfinite)
         new.training = self.training
         memo[id(self)] = new
         return new
@@ -150,45 +202,57 @@ class RecorderEnd(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_owner"] = None
+        state["_rows"] = None
         return state
 
 
 def add_recorder(gm: GraphModule, ctx: PassContext, nodes: Sequence[Node], history: int,
                  on_nonfinite: Callable[[Any], Any] | str | None = None) -> list[Node]:
-    """Attach a ``RecorderProbe`` to each of ``nodes`` (one ``Flight`` per graph) and, with
-    ``on_nonfinite``, the end-of-call check. Returns the nodes added."""
+    """Give each of ``nodes`` a fused row (``RecorderProbe``) and add the end-of-call snapshot
+    node (one per graph; a second recorder pass reuses it). Returns the nodes added."""
     if not isinstance(history, int) or isinstance(history, bool) or history < 1:
         raise ValueError(f"history={history!r}: the number of calls to keep, an int >= 1")
-    if on_nonfinite is not None and not callable(on_nonfinite) and not isinstance(on_nonfinite, (str, bytes)) \
+    if on_nonfinite is not None and not callable(on_nonfinite) and not isinstance(on_nonfinite, str) \
             and not hasattr(on_nonfinite, "__fspath__"):
         raise TypeError(f"on_nonfinite={on_nonfinite!r}: a callable taking the report, or a path to dump it to")
-    flight = gm.meta.setdefault("fxdebug", {}).get("flight")
-    if flight is None or flight.history != history:
-        flight = Flight(history)
-        gm.meta["fxdebug"]["flight"] = flight
     added: list[Node] = []
+    end_node = next((n for n in gm.graph.nodes if fx_meta(n).get("module_type") == "RecorderEnd"), None)
+    end = gm.get_submodule(str(end_node.target)) if end_node is not None else None
+    flight = end.flight if isinstance(end, RecorderEnd) and end.flight.history == history else Flight(history)
+    observers: list[Observer] = []
     for node in nodes:
-        obs = ctx.observe(node, RecorderProbe(flight))
-        if obs is not None:
-            added.append(obs)
-    if on_nonfinite is not None:
-        out = next(n for n in gm.graph.nodes if n.op == "output")
-        end = RecorderEnd(flight, on_nonfinite if callable(on_nonfinite) else str(on_nonfinite))
-        end.bind(gm)
-        target = ctx.add_module(gm, "recorder_end", end)
-        with gm.graph.inserting_before(out):
-            node = gm.graph.call_module(target, tuple(out.all_input_nodes), {})
-        meta = fx_meta(node)
-        meta["role"], meta["module"], meta["module_type"] = "shadow", "", "RecorderEnd"
-        meta["shadows"] = out.all_input_nodes[0].name if out.all_input_nodes else ""
-        added.append(node)
+        probe = RecorderProbe(flight)
+        obs_node = ctx.observe(node, probe)
+        if obs_node is None:
+            continue
+        added.append(obs_node)
+        observer = gm.get_submodule(str(obs_node.target))
+        probe.observer = observer
+        observers.append(observer)
+    if isinstance(end, RecorderEnd):
+        end.observers.extend(observers)
+        if on_nonfinite is not None:
+            end.on_nonfinite = on_nonfinite if callable(on_nonfinite) else str(on_nonfinite)
+        return added
+    clock_node = ctx.clock_node(gm)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    end = RecorderEnd(flight, observers, on_nonfinite if on_nonfinite is None or callable(on_nonfinite) else str(on_nonfinite))
+    end.bind(gm)
+    target = ctx.add_module(gm, "recorder_end", end)
+    with gm.graph.inserting_before(out):
+        node = gm.graph.call_module(target, (clock_node, *out.all_input_nodes), {})
+    meta = fx_meta(node)
+    meta["role"], meta["module"], meta["module_type"] = "shadow", "", "RecorderEnd"
+    meta["shadows"] = out.all_input_nodes[0].name if out.all_input_nodes else ""
+    added.append(node)
     return added
 
 
 # -- reading --------------------------------------------------------------------------------------
 @dataclass
 class CallRecord:
-    """One recorded call: ``nodes`` maps node name -> ``{mean, std, min, max, norm, nonfinite}``."""
+    """One recorded call: ``nodes`` maps node name -> ``{mean, std, norm, nan, inf, nonfinite,
+    min_so_far, max_so_far}`` (see the module docstring)."""
 
     call: int
     nodes: dict[str, dict[str, Any]]
@@ -246,9 +310,9 @@ class History:
             return "history: no calls recorded"
         lines = [f"history: {len(self.records)} call(s), {self.calls[0]}..{self.calls[-1]}"]
         for r in self.records:
-            worst = max((abs(s["max"]) for s in r.nodes.values() if math.isfinite(s.get("max", math.nan))), default=math.nan)
+            worst = max((s["norm"] for s in r.nodes.values() if math.isfinite(s.get("norm", math.nan))), default=math.nan)
             bad = r.nonfinite
-            lines.append(f"  call {r.call}: {len(r.nodes)} nodes, max |x| {worst:.3g}"
+            lines.append(f"  call {r.call}: {len(r.nodes)} nodes, largest finite norm {worst:.3g}"
                          + (f", NaN/Inf at {', '.join(bad[:3])}" if bad else ""))
         return "\n".join(lines)
 
