@@ -58,6 +58,7 @@ class Capture(fxdebug.Pass):
 
     name = "capture"
     observe_only = True
+    requires = ("shapes",)
 
     def __init__(self, nodes: str | Sequence[str] | None = None, grads: bool = False, *, where: Where = None,
                  clone: bool | None = None) -> None:

@@ -105,6 +105,7 @@ class DeviceCheck(Pass):
 
     name = "device-check"
     observe_only = True
+    requires = ("shapes",)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []

@@ -103,6 +103,7 @@ class ShapeAssert(fxdebug.Pass):
 
     name = "shape-assert"
     observe_only = True
+    requires = ("shapes",)
 
     def __init__(self, dynamic_dims: Iterable[int] = (0,), *, other_inputs: Any = None, check_dtype: bool = True,
                  where: Where = None) -> None:

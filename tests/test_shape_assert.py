@@ -114,3 +114,10 @@ def test_matmul_and_cat_failures_name_node_and_every_input_shape():
     with pytest.raises(fxdebug.ShapeMismatchError, match=r"node 'cat'.*\(2, 4\) float32 cpu; \(3, 5\) float32 cpu") as info:
         dbg(torch.randn(2, 3), torch.randn(3, 4), torch.randn(3, 5))
     assert info.value.__cause__ is not None
+
+
+def test_without_example_inputs_the_pass_is_refused_before_it_runs():
+    model, _ = ZOO["residual_cnn"]()
+    with pytest.raises(fxdebug.MissingInputsError, match="pass 'shape-assert' requires example inputs") as info:
+        fxdebug.instrument(model, [ShapeAssert()])
+    assert info.value.pass_name == "shape-assert"
