@@ -167,3 +167,12 @@ def test_all_ranks_needs_an_initialised_group():
     dbg = fxdebug.instrument(torch.nn.Linear(2, 2), [], example_inputs=(torch.randn(1, 2),))
     with pytest.raises(fxdebug.UsageError, match="init_process_group"):
         dbg.report(all_ranks=True)
+
+
+def test_tracing_dataparallel_unwraps_module_without_processes():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    dbg = fxdebug.instrument(torch.nn.DataParallel(model), [], example_inputs=(x,))
+    assert "DataParallel.module (Sequential)" in dbg.trace_info.notes[0]
+    assert list(dbg.state_dict()) == list(model.state_dict())
+    assert torch.equal(dbg(x), model(x))
