@@ -102,8 +102,10 @@ class ShadowOp(nn.Module):
     """
 
     def __init__(self, node_name: str, op: str, target: Any, kind: str, dtype: torch.dtype, *,
-                 snapshot: bool = False) -> None:
+                 snapshot: bool = False, record: bool = True) -> None:
         super().__init__()
+        self.record = record  # False: only carry the shadow value on (views, unreported nodes)
+        self.retarget = True  # the node's arguments name a floating dtype (set by add_shadow)
         self.node_name, self.op, self.kind, self.dtype = node_name, op, kind, dtype
         self.target = target if op != "call_module" else None
         self.snapshot = snapshot
@@ -126,6 +128,15 @@ class ShadowOp(nn.Module):
             self.unit = torch.finfo(outs[0].dtype).eps / 2
         with torch.no_grad(), no_autocast(dev.type):
             sa, skw = tree_cast((tuple(sargs), dict(skwargs)), self.dtype)
+            if not self.record:
+                try:
+                    if self.kind in ("random", "dropout"):
+                        return tree_cast(self._dropout(real_out, module, sa, skw) if self.kind == "dropout"
+                                         else real_out, self.dtype, copy=True)
+                    return tree_cast(self._call(module, sa, skw), self.dtype)
+                except Exception as exc:
+                    self.failed = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+                    return tree_cast(real_out, self.dtype, copy=True)
             ra, rkw = tree_cast((tuple(rargs), dict(rkwargs)), self.dtype, copy=not self.snapshot and self.kind != "cast")
             acc_in = rel_error((rargs, rkwargs), (sa, skw))
             try:
@@ -165,6 +176,8 @@ class ShadowOp(nn.Module):
     def _retarget(self, value: Any) -> Any:
         """Floating dtypes requested by the op (``.to(torch.bfloat16)``, ``dtype=torch.float16``)
         become the shadow dtype: the shadow stays wide through the model's own casts."""
+        if not self.retarget:
+            return value
         return pytree.tree_map(lambda v: self.dtype if isinstance(v, torch.dtype) and v.is_floating_point else v, value)
 
     def _wide_params(self, module: nn.Module) -> dict[str, Tensor]:
@@ -311,7 +324,9 @@ def add_shadow(gm: GraphModule, ctx: PassContext, nodes: Sequence[Node], dtype: 
                 snap = graph.call_function(snapshot, (node.args, node.kwargs, dtype))
             added.append(_mark(snap, node))
             rargs, rkwargs = snap, {}
-        op = ShadowOp(node.name, node.op, node.target, kind, dtype, snapshot=inplace)
+        op = ShadowOp(node.name, node.op, node.target, kind, dtype, snapshot=inplace, record=node in reported)
+        op.retarget = any(isinstance(v, torch.dtype) and v.is_floating_point
+                          for v in pytree.tree_leaves((node.args, node.kwargs)))
         anchor = node
         if node in reported:
             # The observer first, the shadow op after it: the probe's fresh state (first call,
