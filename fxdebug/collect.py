@@ -39,7 +39,7 @@ _REFRESH_S = 0.5  # how often the running NaN/dead counts are read (each read sy
 
 
 def collect(
-    dbg: nn.Module,
+    dbg: Any,
     loader: Iterable[Any],
     *,
     loss_fn: Callable[[Any, Any], Tensor] | None = None,
@@ -75,7 +75,7 @@ def collect(
     bar = make_progress(progress, total)
     if reset:
         dbg.reset()
-    params = [p for p in dbg.parameters() if p.requires_grad] if loss_fn is not None else []
+    params: list[Tensor] = [p for p in dbg.parameters() if p.requires_grad] if loss_fn is not None else []
     saved_grads = [p.grad for p in params]
     failure: FxDebugError | None = None
     done = 0
@@ -260,8 +260,10 @@ class _Rich(_Bar):
         self.task = self.progress.add_task("collect", total=total, counts="")
 
     def update(self, done: int, counts: dict[str, int] | None) -> None:
-        fields = {"counts": _postfix(counts)} if counts is not None else {}
-        self.progress.update(self.task, completed=done, **fields)
+        if counts is not None:
+            self.progress.update(self.task, completed=done, counts=_postfix(counts))
+        else:
+            self.progress.update(self.task, completed=done)
 
     def message(self, text: str) -> None:
         self.progress.console.print(f"fxdebug: {text}", markup=False)

@@ -96,7 +96,7 @@ def gradient_flow(report: Any, path: str | os.PathLike[str], *, vanishing: float
     hi = rules.exploding if exploding is None else exploding
     _, Figure = _matplotlib()
     labels = [_label(r) for r, _, _ in items]
-    maxes = [g for _, g, _ in items]
+    maxes: list[float | None] = [g for _, g, _ in items]
     means = [m for _, _, m in items]
     n = len(items)
     fig = Figure(figsize=(max(6.0, 0.32 * n + 1.5), 4.8))
