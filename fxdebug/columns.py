@@ -93,12 +93,12 @@ class Column:
         return self._key or self.name
 
     def has(self, role: str) -> bool:
-        return role in self.roles  # type: ignore[operator]
+        return role in self.roles
 
     @property
     def shown(self) -> bool:
         """Whether the text table and node labels show it."""
-        return HIDDEN not in self.roles  # type: ignore[operator]
+        return HIDDEN not in self.roles
 
     def keys(self) -> list[tuple[str, str]]:
         """``[(row key, phase), ...]`` this declaration covers."""
@@ -118,7 +118,7 @@ class Column:
             return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "name": self.name, "roles": sorted(self.roles), "phase": self.phase,  # type: ignore[arg-type]
+        return {"key": self.key, "name": self.name, "roles": sorted(self.roles), "phase": self.phase,
                 "doc": self.doc, "threshold": self.threshold, "label": self.label or self.key,
                 "format": self.format if isinstance(self.format, str) else None}
 

@@ -74,9 +74,11 @@ def demo_model() -> DemoNet:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = DemoNet()
+    bias = model.stage2.conv.bias
+    assert bias is not None
     with torch.no_grad():
-        model.stage2.conv.bias[:DEAD_CHANNELS] = -50.0  # these channels never become positive
-        model.stage2.conv.bias[DEAD_CHANNELS:] = 0.5  # the others stay alive
+        bias[:DEAD_CHANNELS] = -50.0  # these channels never become positive
+        bias[DEAD_CHANNELS:] = 0.5  # the others stay alive
         model.head.temperature.bias.copy_(torch.tensor([1.0, 0.5, -0.3, 2.0]))  # log(-0.3...) is NaN
     return model.eval()
 

@@ -83,7 +83,7 @@ def _function_fix(node: Node, args: Any) -> str:
     x, weight = args[0], args[1]
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or weight.dim() != dims + 2:
         return ""
-    groups = args[6] if len(args) > 6 and isinstance(args[6], int) else node.kwargs.get("groups", 1)
+    groups: Any = args[6] if len(args) > 6 and isinstance(args[6], int) else node.kwargs.get("groups", 1)
     return _conv_fix(f"conv{dims}d", x, weight.shape[1] * int(groups or 1), dims)
 
 

@@ -59,7 +59,7 @@ def _check_hooks(model: nn.Module) -> None:
                 module=path, op=type(module).__name__)
 
 
-class ExportWatch(list):  # type: ignore[type-arg]
+class ExportWatch(list):
     """What ``watched_export`` saw: the refusals (the list itself, first one first) and ``guards``,
     the plain attributes forward read as ``(module path, name, value)``."""
 

@@ -9,7 +9,7 @@ by *kind*; a missing kind is a plain ``False``, never a crash.
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -92,7 +92,7 @@ _KINDS: dict[OpKind, tuple[tuple[type, ...], set[Any], set[str]]] = {
 }
 
 
-def register_kind(kind: OpKind, *, modules: tuple[type, ...] = (), functions: set[Any] = frozenset(), methods: set[str] = frozenset()) -> None:
+def register_kind(kind: OpKind, *, modules: tuple[type, ...] = (), functions: Iterable[Any] = frozenset(), methods: Iterable[str] = frozenset()) -> None:
     """Teach the classifier a new kind, or more forms of an existing one (for pass authors)."""
     mods, funcs, meths = _KINDS.get(kind, ((), set(), set()))
     _KINDS[kind] = (tuple(mods) + tuple(modules), set(funcs) | set(functions), set(meths) | set(methods))

@@ -24,7 +24,9 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .api import instrument
 from .errors import UsageError
+from .inputs import normalize_inputs, preserved_state
 
 __all__ = ["Sensitivity", "sensitivity"]
 
@@ -73,15 +75,13 @@ class Sensitivity:
     def render(self, path: str, **options: Any) -> str:
         """The model's graph with each module's ``sensitivity`` share on its node (a ``COLOR``
         column: modules at or above half the largest change are marked as hot spots)."""
-        from .api import instrument
-
         if self.model is None:
             raise UsageError("this Sensitivity was built without its model; call fxdebug.sensitivity(model, ...).")
         shares = {r["module"]: r["share"] for r in self.rows}
         dbg = instrument(self.model, [_ShareAnnotation(shares)], example_inputs=self.example_inputs)
-        from .inputs import normalize_inputs, preserved_state
-
-        args, kwargs = normalize_inputs(self.example_inputs)
+        bound = normalize_inputs(self.example_inputs)
+        assert bound is not None, "a Sensitivity is built from example inputs"
+        args, kwargs = bound
         with preserved_state(self.model), torch.no_grad():
             dbg(*args, **kwargs)
         return dbg.render(path, **options)
@@ -150,7 +150,7 @@ def sensitivity(model: nn.Module, example_inputs: Any, *, noise: float = 0.01,
         raise UsageError(f"{type(model).__name__} has no parameters to perturb.")
     was_training = model.training
     model.eval()
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         with preserved_state(model), torch.no_grad():
             base = model(*args, **kwargs)

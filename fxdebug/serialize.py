@@ -92,8 +92,8 @@ _KEEP_META = ("fxdebug", "stack_trace", "nn_module_stack")
 def serialize_graph(graph: Graph) -> list[tuple[Any, ...]]:
     rows = []
     for n in graph.nodes:
-        args = map_arg(n.args, lambda a: _Ref(a.name))
-        kwargs = map_arg(n.kwargs, lambda a: _Ref(a.name))
+        args = map_arg(n.args, lambda a: _Ref(a.name))  # type: ignore[arg-type, return-value]
+        kwargs = map_arg(n.kwargs, lambda a: _Ref(a.name))  # type: ignore[arg-type, return-value]
         meta = {k: n.meta[k] for k in _KEEP_META if k in n.meta}
         rows.append((n.name, n.op, _op_ref(n.target), map_aggregate(args, _op_ref), map_aggregate(kwargs, _op_ref), meta))
     return rows

@@ -19,6 +19,7 @@ import time
 import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Iterable
 
 import torch
@@ -79,6 +80,7 @@ class _FailureLocatingTracer(Tracer):
         super().__init__()
         self.record_stack_traces = False  # torch's recorder costs ~0.3 ms a node; ours walks frames
         self._leaves = leaves
+        self.fxdebug_reads: dict[Any, Any] = {}  # plain attributes forward read (faithful.patched_for_tracing)
         self.hooked: set[str] = set()
 
     def trace(self, root: Any, concrete_args: Any = None) -> Graph:
@@ -124,7 +126,7 @@ def _user_frame_text() -> str | None:
     Walking ``sys._getframe`` is an order of magnitude cheaper than extracting a full traceback
     per node, which matters on graphs of thousands of nodes.
     """
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename in _TRACER_FILES:  # the tracer's own hooks (call_module, patched calls) sit
