@@ -351,6 +351,9 @@ def find(report: Any, *, vanishing: float | None = None, exploding: float | None
     ``gm``: the instrumented module, when at hand: the NaN/Inf origin then also names its inputs'
     minimum (``log`` of an input whose min is -0.3)."""
     base = FindingRules()
+    declared = report.column("dead_frac") if hasattr(report, "column") else None
+    if dead is None and declared is not None and declared.threshold is not None:
+        dead = float(declared.threshold)  # the collector's own hot-spot threshold (StatCollector: 0.5)
     rules = FindingRules(
         vanishing=base.vanishing if vanishing is None else vanishing,
         exploding=base.exploding if exploding is None else exploding,
