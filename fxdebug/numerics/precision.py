@@ -71,7 +71,7 @@ class KeepFloat(nn.Module):
                  dtype: torch.dtype = torch.float32, active: bool = True) -> None:
         super().__init__()
         self.node_name, self.op, self.dtype, self.active = node_name, op, dtype, active
-        self.target = target if op != "call_module" else None
+        self.target: Any = target if op != "call_module" else None
         self.in_dtypes = list(in_dtypes)
         self._params: dict[str, tuple[int, int, Tensor]] = {}
 
@@ -79,9 +79,9 @@ class KeepFloat(nn.Module):
         if not self.active:
             args, kwargs = _to_dtypes((tuple(args), dict(kwargs)), self.in_dtypes)
             return self._call(module, args, kwargs, None)
-        wide = tree_cast((tuple(args), dict(kwargs)), self.dtype, only_lower=True)
-        with no_autocast(device_of(wide).type):
-            return self._call(module, *wide, self.dtype)
+        wide_args, wide_kwargs = tree_cast((tuple(args), dict(kwargs)), self.dtype, only_lower=True)
+        with no_autocast(device_of(wide_args).type):
+            return self._call(module, wide_args, wide_kwargs, self.dtype)
 
     def _call(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype | None) -> Any:
         if self.op == "call_function":

@@ -153,6 +153,9 @@ class RecorderProbe(FusedProbe):
 class RecorderEnd(nn.Module):
     """The end-of-call node: snapshots the table; with ``on_nonfinite``, reads one device flag."""
 
+    flight: Flight  # shared with the probes; plain attributes, not submodules or state
+    observers: list[Observer]
+
     def __init__(self, flight: Flight, observers: Sequence[Observer],
                  on_nonfinite: Callable[[Any], Any] | str | None) -> None:
         super().__init__()
@@ -217,7 +220,7 @@ def add_recorder(gm: GraphModule, ctx: PassContext, nodes: Sequence[Node], histo
         raise TypeError(f"on_nonfinite={on_nonfinite!r}: a callable taking the report, or a path to dump it to")
     added: list[Node] = []
     end_node = next((n for n in gm.graph.nodes if fx_meta(n).get("module_type") == "RecorderEnd"), None)
-    end = gm.get_submodule(str(end_node.target)) if end_node is not None else None
+    end: Any = gm.get_submodule(str(end_node.target)) if end_node is not None else None
     flight = end.flight if isinstance(end, RecorderEnd) and end.flight.history == history else Flight(history)
     observers: list[Observer] = []
     for node in nodes:
@@ -226,7 +229,7 @@ def add_recorder(gm: GraphModule, ctx: PassContext, nodes: Sequence[Node], histo
         if obs_node is None:
             continue
         added.append(obs_node)
-        observer = gm.get_submodule(str(obs_node.target))
+        observer: Any = gm.get_submodule(str(obs_node.target))
         probe.observer = observer
         observers.append(observer)
     if isinstance(end, RecorderEnd):

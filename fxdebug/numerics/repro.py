@@ -188,7 +188,7 @@ def _inline_recorded(g: fx.Graph, module: nn.Module, args: tuple[Any, ...], kwar
     from torch.fx.experimental.proxy_tensor import make_fx
 
     values = {n: v for n, v in _captured_values(g, tensors).items()}
-    state = dict(module.named_parameters(remove_duplicate=False))
+    state: dict[str, Tensor] = {k: v for k, v in module.named_parameters(remove_duplicate=False)}
     state.update(dict(module.named_buffers(remove_duplicate=False)))
     names = list(state)
     leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -232,7 +232,7 @@ def _inline_recorded(g: fx.Graph, module: nn.Module, args: tuple[Any, ...], kwar
     return out
 
 
-def _captured_values(g: fx.Graph, tensors: list[tuple[str, Tensor]]) -> dict[Node, Tensor]:
+def _captured_values(g: fx.Graph, tensors: list[tuple[str, Tensor]]) -> dict[Node, Tensor | None]:
     """Placeholder node -> the tensor saved for it."""
     saved = dict(tensors)
     return {n: saved.get(str(n.target)) for n in g.nodes if n.op == "placeholder"}
