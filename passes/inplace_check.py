@@ -98,7 +98,7 @@ def _fix(node: Node, gm: GraphModule) -> str:
         return f"use the out-of-place form `.{target[:-1]}(...)` instead of `.{target}(...)`, {clone}"
     if node.op == "call_module":
         return f"build module '{target}' with inplace=False, {clone}"
-    name = getattr(node.target, "__name__", target)
+    name = getattr(node.target, "__name__", target).split(".")[0]  # aten overloads: "add_.Tensor"
     if name == "setitem":
         return f"build the new tensor out of place (torch.where, torch.cat, index_put), {clone}"
     if name.startswith("i") and getattr(node.target, "__module__", "") in ("_operator", "operator"):
@@ -106,7 +106,7 @@ def _fix(node: Node, gm: GraphModule) -> str:
     if node.kwargs.get("inplace"):
         return f"pass inplace=False to {op_label(node)}, {clone}"
     if name.endswith("_"):
-        return f"use {name[:-1]} instead of {name}, {clone}"
+        return f"use the out-of-place {name[:-1]} instead of {name} (`y = y + 1` rather than `y += 1`), {clone}"
     return f"use the out-of-place form, {clone}"
 
 

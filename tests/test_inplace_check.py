@@ -150,6 +150,31 @@ def test_inplace_module_and_index_assignment(cls, line, saver, fix):
         assert torch.equal(dbg(x), model(x))
 
 
+class ExpPlusEquals(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.exp(self.fc(x))
+        y += 1
+        return y
+
+
+def test_augmented_assignment_under_export():
+    """`y += 1` stays in place in export graphs (aten.add_), where InplaceCheck names it."""
+    torch.manual_seed(0)
+    model, x = ExpPlusEquals(), torch.randn(2, 4)
+    assert _plain_backward_fails(model, x)
+    check = InplaceCheck()
+    dbg = fxdebug.instrument(model, [check], example_inputs=(x,), frontend="export")
+    (finding,) = check.findings
+    assert (finding.saved_by, finding.modified_by) == ("exp", "add_") and "y += 1" in finding.modified_by_line
+    assert "out-of-place add" in finding.fix
+    with pytest.raises(fxdebug.InplaceError, match="add_"):
+        dbg(x)
+
+
 def test_where_limits_guards_not_findings():
     torch.manual_seed(0)
     model, x = SigmoidMul(), torch.randn(4, 8)
