@@ -62,3 +62,22 @@ def _take_class(gm: nn.Module, cls: type) -> None:
         return
     mixed = type(current.__name__, (current, cls), {"__module__": current.__module__})
     gm.__class__ = mixed
+    _take_signature(gm, cls)
+
+
+def _take_signature(gm: nn.Module, cls: type) -> None:
+    """``inspect.signature(dbg.forward)`` reads as the model's: ``generate`` decides by it what to pass.
+
+    An export graph's forward lists only the example inputs; the call itself still goes to the
+    instrumented forward (and a call of another signature to its own capture, see ``recapture``).
+    """
+    try:
+        sig = inspect.signature(cls.forward.__get__(gm, cls))
+    except (TypeError, ValueError, AttributeError):
+        return
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return type(gm).forward(gm, *args, **kwargs)
+
+    forward.__signature__ = sig  # type: ignore[attr-defined]
+    gm.__dict__["forward"] = forward

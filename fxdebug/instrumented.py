@@ -32,6 +32,7 @@ from .diagnose import locate_failure, op_failure
 from .errors import FxDebugError
 from .meta import INSTRUMENTATION, KEY, GraphRecord, graph_record, node_meta
 from .modes import ensure_mode, follow_mode
+from .recapture import route_call
 from .observe import Clock, Observer
 from .runtime.lower import observer_of
 from .render import render as draw
@@ -76,6 +77,9 @@ class Instrumented(GraphModule):
 
     def _call_with_diagnosis(self, *args: Any, **kwargs: Any) -> Any:
         ensure_mode(self)  # the graph captured for the training flags the modules have now (fxdebug.modes)
+        routed = route_call(self, args, kwargs)  # export: a call of another signature has its own capture
+        if routed is not None:
+            return routed(*args, **kwargs)
         try:
             return nn.Module.__call__(self, *args, **kwargs)
         except FxDebugError:

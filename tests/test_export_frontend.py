@@ -236,3 +236,27 @@ def test_symbolic_first_when_it_works() -> None:
     assert gm.trace_info.frontend == "symbolic"
     with pytest.raises(fxdebug.UsageError, match="frontend='nope' is not one of auto, symbolic, export, subtrees"):
         fxdebug.trace(model, frontend="nope")
+
+
+class ShapeBranch(nn.Module):
+    """Python that branches on a shape: torch.export must specialise it, so dims cannot stay free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        y = self.fc(x)
+        return y * scale if x.shape[0] % 2 == 0 else -y
+
+
+def test_a_call_of_another_signature_is_captured_again_once():
+    model = ShapeBranch()
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(torch.randn(4, 6),), frontend="export")
+    from fxdebug.recapture import captures
+
+    with torch.no_grad():
+        for x, kw in [(torch.randn(4, 6), {}), (torch.randn(4, 6), {"scale": 2.0}), (torch.randn(4, 6), {"scale": 2.0})]:
+            assert torch.equal(dbg(x, **kw), model(x, **kw))
+    assert len(captures(dbg)) == 1  # cached: the second scale=2.0 call reuses it
+    assert sum("captured again" in n for n in dbg.trace_info.notes) == 1

@@ -164,3 +164,25 @@ def test_export_capture_takes_other_batch_and_sequence_lengths():
             ids = _ids(*shape)
             assert torch.equal(dbg(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state)
     assert dbg.report().calls == 3
+
+
+def test_default_config_gpt2_is_captured_by_export_with_its_cache_and_generates():
+    """use_cache=True (the default): the DynamicCache comes out of the graph; generate() runs instrumented."""
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = _ids(2, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": ids})
+    assert dbg.trace_info.frontend == "export"  # every op observed, not ~37% under subtrees
+    with torch.no_grad():
+        want, got = model(input_ids=ids), dbg(input_ids=ids)
+        assert torch.equal(got.logits, want.logits)
+        assert type(got.past_key_values) is type(want.past_key_values)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got.past_key_values),
+                        torch.utils._pytree.tree_leaves(want.past_key_values)):
+            assert torch.equal(a, b)
+        expected = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(dbg.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0), expected)
+    from fxdebug.recapture import captures
+
+    assert captures(dbg) and any("captured again for a call with another signature" in n for n in dbg.trace_info.notes)

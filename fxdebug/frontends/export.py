@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import Graph, GraphModule
 from torch.fx import _pytree as fx_pytree
+from torch.utils import _pytree as pytree
 
 from ..errors import MissingInputsError, TraceError, UsageError
 from ..faithful_export import export_shell, watched_export
@@ -102,6 +103,12 @@ def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
             return {k: spec(x) for k, x in v.items()}
         return None
 
+    if every_dim:  # keyed by tensor, so registered containers (a KV Cache) get their tensors' specs too
+        shapes = torch.export.ShapesCollection()
+        for leaf in pytree.tree_leaves((args, kwargs)):
+            if isinstance(leaf, Tensor) and leaf.dim() > 0:
+                shapes[leaf] = {d: torch.export.Dim.AUTO for d in range(leaf.dim())}
+        return shapes.dynamic_shapes(model, args, kwargs)
     bound = inspect.signature(model.forward).bind(*args, **kwargs)
     return {name: spec(value) for name, value in bound.arguments.items()}
 
@@ -140,12 +147,29 @@ def _export_with(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         except Exception as exc:
             match = _UNKNOWN_TYPE.search(str(exc))
             cls = _find_class(match.group(1)) if match else None
+            if cls is not None and match.group(1) not in registered and _register_cache(cls):
+                registered.add(match.group(1))
+                notes.append(f"registered transformers' {cls.__qualname__} with torch's pytree: the KV cache goes "
+                             "in and out of the graph as the model's own Cache object")
+                continue
             if cls is None or not dataclasses.is_dataclass(cls) or match.group(1) in registered:
                 raise
             torch.export.register_dataclass(cls)
             registered.add(match.group(1))
             notes.append(f"registered the output dataclass {cls.__qualname__} with torch's pytree so "
                          "the graph can rebuild it")
+
+
+def _register_cache(cls: type) -> bool:
+    """Register a transformers ``DynamicCache`` with pytree (transformers' own export support)."""
+    if not cls.__module__.startswith("transformers.") or cls.__name__ != "DynamicCache":
+        return False
+    try:
+        from transformers.integrations.executorch import register_dynamic_cache_export_support
+    except ImportError:
+        return False
+    register_dynamic_cache_export_support()
+    return True
 
 
 @contextlib.contextmanager
