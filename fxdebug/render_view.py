@@ -152,6 +152,20 @@ def _aliases(nodes: list[Node]) -> dict[str, str]:
     return alias
 
 
+def _add_probes(v: VisNode, probes: Any) -> None:
+    v.probes.extend(p for p in probes if p not in v.probes)
+
+
+def _observer_probes(gm: GraphModule, path: str) -> list[str]:
+    """The probe keys of the observer module at ``path`` (for batched observations)."""
+    try:
+        observer = gm.get_submodule(path)
+    except AttributeError:
+        return []
+    probes = getattr(observer, "probes", {})
+    return [str(k) for k in probes] if isinstance(probes, dict) else []
+
+
 def _container_types(gm: GraphModule, paths: set[str]) -> dict[str, str]:
     out = {}
     for p in sorted(paths):
@@ -176,9 +190,15 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
     for n in nodes:
         meta = n.meta.get("fxdebug", {})
         if not show_instrumentation and is_instrumentation(n):
+            batch = meta.get("batch")
+            if batch:  # one call observing several nodes: each watched node gets its observer's probes
+                for watched, observer in batch:
+                    if watched in view_nodes:
+                        _add_probes(view_nodes[watched], _observer_probes(gm, observer))
+                continue
             owner = view_nodes.get(alias.get(n.name, ""))
             if owner is not None:
-                owner.probes.extend(p for p in meta.get("probes", ()) if p not in owner.probes)
+                _add_probes(owner, meta.get("probes", ()))
                 if meta.get("role") == "instrumentation" and not meta.get("probes"):
                     owner.probes.append(op_label(n))
             continue
