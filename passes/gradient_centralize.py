@@ -3,10 +3,12 @@
 Gradient centralisation (Yong et al., 2020) replaces the gradient ``g`` of a conv or linear weight
 with ``g - g.mean(dims other than the output channel)``. The guides teach it as a hook on each
 weight (``w.register_hook(...)``), which lives on the model until someone removes it. Here the
-selected conv/linear call is replaced by a call that passes its weight through an identity whose
-backward centralises the gradient: the forward is the module's own (bitwise the same output), the
-weight gradient equals what the hand-written hook gives, and dropping the instrumented module
-leaves nothing behind on the model.
+weight reaching each selected conv/linear passes through an identity whose backward centralises
+the gradient: a ``Conv*d``/``Linear`` module call is replaced by a call of the same module with the
+wrapped weight, and a functional or aten call (``F.linear``, ``aten.convolution`` in export graphs)
+gets the wrapper between its weight's ``get_attr`` and itself. The forward is unchanged (bitwise
+the same output), the weight gradient equals what the hand-written hook gives, and dropping the
+instrumented module leaves nothing behind on the model.
 
 One-dimensional weights (and biases) are left alone, as in the paper. A module called at several
 nodes is centralised at each call; the gradient contributions are centralised before they sum,
@@ -20,13 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import describe, fx_meta, get_module
+from fxdebug.authoring import describe, fx_meta, get_module, is_conv, is_linear, module_path
 
-__all__ = ["GradientCentralize", "centralize"]
+__all__ = ["GradientCentralize", "centralize", "centralized_weight"]
 
 
 def centralize(g: Tensor) -> Tensor:
@@ -44,6 +46,13 @@ class _Centralized(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> Tensor:
         return centralize(g)
+
+
+def centralized_weight(w: Tensor) -> Tensor:
+    """``w`` itself in the forward; its gradient centralised in the backward (graph-level form)."""
+    if torch.is_grad_enabled() and w.requires_grad and w.dim() > 1:
+        return _Centralized.apply(w)
+    return w
 
 
 class _CentralizedCall(nn.Module):
@@ -84,7 +93,21 @@ class GradientCentralize(fxdebug.Pass):
         super().__init__(where=where)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
-        replaced = {}
+        replaced: dict[str, str] = {}
+        added = []
+        for node in ctx.nodes(gm, ops=("call_function",)):  # functional / aten convs and linears (export graphs)
+            if not (is_conv(node, gm) or is_linear(node, gm)) or len(node.args) < 2:
+                continue
+            if getattr(node.target, "__name__", "").startswith("addmm"):  # addmm(bias, x, w.t()): no weight slot
+                continue
+            w = node.args[1]
+            if not isinstance(w, Node) or w.op != "get_attr":
+                continue
+            with gm.graph.inserting_before(node):
+                wrapped = gm.graph.call_function(centralized_weight, (w,))
+            fx_meta(wrapped).update(module=module_path(node), added_by=self.name)
+            node.args = (node.args[0], wrapped, *node.args[2:])
+            added.append(wrapped)
         for node in ctx.nodes(gm, ops=("call_module",)):
             module = get_module(gm, node)
             if type(module) not in _SUPPORTED or module.weight.dim() < 2:
@@ -96,6 +119,6 @@ class GradientCentralize(fxdebug.Pass):
             fx_meta(new)["module_type"] = type(module).__name__
             fx_meta(new)["module"] = str(node.target)
             replaced[node.name] = new.name
-        if not replaced:
+        if not replaced and not added:
             raise UsageError(f"GradientCentralize: where={self.where!r} selects no Conv or Linear module.")
-        return PassResult(gm, replaced=replaced)
+        return PassResult(gm, added=added, replaced=replaced)

@@ -21,13 +21,14 @@ def _hooked(model):
     return handles
 
 
-@pytest.mark.parametrize("name", ["residual_cnn", "transformer_block"])
-def test_matches_hand_written_hook(name):
+@pytest.mark.parametrize("name, frontend", [("residual_cnn", "symbolic"), ("transformer_block", "symbolic"),
+                                            ("residual_cnn", "export")])
+def test_matches_hand_written_hook(name, frontend):
     model, inputs = ZOO[name]()
     model.eval()
     reference = copy.deepcopy(model)
     handles = _hooked(reference)
-    dbg = fxdebug.instrument(model, [GradientCentralize()], example_inputs=inputs)
+    dbg = fxdebug.instrument(model, [GradientCentralize()], example_inputs=inputs, frontend=frontend)
     dbg.graph.lint()
     y, y_ref = dbg(*inputs), reference(*inputs)
     assert torch.equal(y, y_ref)  # forward bitwise unchanged
