@@ -176,3 +176,19 @@ def test_tracing_dataparallel_unwraps_module_without_processes():
     assert "DataParallel.module (Sequential)" in dbg.trace_info.notes[0]
     assert list(dbg.state_dict()) == list(model.state_dict())
     assert torch.equal(dbg(x), model(x))
+
+
+def test_origin_order_is_call_then_rank_then_execution_order():
+    from fxdebug.distributed import Origin, _origin
+
+    ranks = [
+        {"rank": 0, "fwd": (5, "fc1", 0, "fc1"), "bwd": (1, "fc1", 0, "fc1")},
+        {"rank": 1, "fwd": (3, "log", 4, "head"), "bwd": (1, "log", 4, "head")},
+        {"rank": 2, "fwd": (3, "add", 2, ""), "bwd": None},
+        {"rank": 3, "fwd": None, "bwd": (1, "add", 2, "")},
+    ]
+    assert _origin(ranks, "fwd", reverse=False) == Origin(3, 1, "log", "head")  # call 3 beats 5; rank 1 beats 2
+    assert _origin(ranks, "bwd", reverse=True) == Origin(1, 0, "fc1", "fc1")  # same call: lowest rank first
+    same_rank = [{"rank": 0, "fwd": (2, "b", 7, "")}, {"rank": 0, "fwd": (2, "a", 3, "")}]
+    assert _origin(same_rank, "fwd", reverse=False).node == "a"
+    assert str(Origin(2, 1, "sqrt")) == "call 2, rank 1, node 'sqrt'"
