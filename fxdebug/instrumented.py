@@ -30,11 +30,11 @@ from torch.fx import Graph, GraphModule
 from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
 from .errors import FxDebugError
-from .meta import INSTRUMENTATION, KEY, GraphRecord, graph_record, node_meta
+from .meta import KEY, GraphRecord, graph_record
 from .modes import ensure_mode, follow_mode
 from .recapture import route_call
 from .observe import Clock, Observer
-from .runtime.lower import observer_of
+from .runtime.lower import observers_in
 from .render import render as draw
 from .distributed import merged_report
 from .report import Report, build_report, merge_reports
@@ -144,14 +144,7 @@ class Instrumented(GraphModule):
         return out
 
     def _own_observers(self) -> dict[str, Observer]:
-        out = {}
-        for n in self.graph.nodes:
-            meta = node_meta(n)
-            if n.op in ("call_module", "call_function") and meta.role == INSTRUMENTATION and meta.observes is not None:
-                obs = observer_of(self, n)  # lowered observers are call_function nodes (runtime/lower.py)
-                if obs is not None:
-                    out[meta.observes] = obs
-        return out
+        return observers_in(self)  # call_module, lowered op call or batched call (runtime/lower.py)
 
     def _clock(self) -> Clock | None:
         space = getattr(self, NAMESPACE, None)

@@ -14,7 +14,7 @@ from torch.fx import GraphModule, Node
 from .edits import add_module, insert_after
 from .meta import CLOCK, INSTRUMENTATION, is_instrumentation, module_path, node_meta, op_label
 from .observe import Clock, Observer, Probe
-from .runtime.lower import is_lowered, unlower
+from .runtime.lower import find_lowered, unlower
 
 __all__ = ["Observation"]
 
@@ -34,7 +34,7 @@ class Observation:
         gm = node.graph.owning_module
         assert isinstance(gm, GraphModule), "node must belong to a GraphModule"
         obs_node = next((u for u in node.users if node_meta(u).observes == node.name and u.op == "call_module"), None)
-        lowered = next((u for u in node.users if node_meta(u).observes == node.name and is_lowered(u)), None)
+        lowered = find_lowered(node) if obs_node is None else None
         if obs_node is None and lowered is not None:
             obs_node = unlower(gm, lowered)  # already lowered (re-instrumenting): back to its observer
         if obs_node is None:

@@ -188,6 +188,7 @@ class Clock(nn.Module):
         self.spans: list[tuple[int, int]] = []  # (first index, count) of each node's channel slots
         self.table: Tensor | None = None
         self._host: list[float] | None = None  # host copy while a report is read
+        self._tick: Tensor | None = None  # view of the table's clock slot (eager fast path)
 
     @property
     def calls(self) -> int:
@@ -263,7 +264,13 @@ class Clock(nn.Module):
                 device = next((a.device for a in anchors if isinstance(a, Tensor)), None)
                 if table is None or (device is not None and table.device != device):
                     table = self.materialize(device if device is not None else "cpu")
-                table[0] += 1
+                if torch.compiler.is_compiling():
+                    table[0] += 1
+                else:  # one in-place add on a cached view of slot 0 (indexing would cost four dispatches)
+                    tick = self._tick
+                    if tick is None or tick._base is not table:
+                        tick = self._tick = table.narrow(0, 0, 1)
+                    tick.add_(1)
             return table
 
     def reset(self) -> None:
@@ -287,6 +294,7 @@ class Clock(nn.Module):
         state = self.__dict__.copy()
         state["_ticks"] = {}
         state["_host"] = None
+        state["_tick"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -294,6 +302,7 @@ class Clock(nn.Module):
         state.setdefault("spans", [])
         state.setdefault("table", None)
         state.setdefault("_host", None)
+        state.setdefault("_tick", None)
         self.__dict__.update(state)
 
 

@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 
 from .columns import NONFINITE, ORIGIN, Column, columns_with, resolve_columns
 from .meta import is_instrumentation, module_path, op_label
-from .runtime.lower import observer_of
+from .runtime.lower import observers_in
 from .runtime.ops import backend, fallback_reason
 
 __all__ = ["Report", "build_report", "merge_reports"]
@@ -197,10 +197,7 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
     order = {n.name: i for i, n in enumerate(nodes)}
     observers: dict[str, Any] = {}
     declared: list[Column] = []
-    for n in nodes:
-        mod = observer_of(gm, n)  # a call_module observer, or the module behind a lowered op call
-        if mod is not None:
-            observers[n.meta["fxdebug"]["observes"]] = mod
+    observers.update(observers_in(gm))  # call_module observers, lowered op calls, batched calls
     rows = []
     by_name = {n.name: n for n in nodes}
     clocks = {id(o._clock): o._clock for o in observers.values() if o._clock is not None}

@@ -99,11 +99,32 @@ def test_kernel_is_thread_count_independent():
 def test_the_graph_calls_the_op_directly():
     model, (x,) = ZOO["residual_cnn"]()
     dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,))
-    op = torch.ops.fxdebug.observe.default
-    calls = [n for n in dbg.graph.nodes if n.op == "call_function" and n.target is op]
+    one, many = torch.ops.fxdebug.observe.default, torch.ops.fxdebug.observe_many.default
+    watched = [n.args[0] for n in dbg.graph.nodes if n.op == "call_function" and n.target is one]
+    batches = [n for n in dbg.graph.nodes if n.op == "call_function" and n.target is many]
+    watched += [x for b in batches for x in b.args[0]]
     modules = [n for n in dbg.graph.nodes if n.op == "call_module" and isinstance(dbg.get_submodule(str(n.target)), fxdebug.Observer)]
-    assert not modules and len(calls) == len(dbg.observers()) == len(dbg.report().rows)
+    assert not modules and len(watched) == len(set(watched)) == len(dbg.observers()) == len(dbg.report().rows)
+    assert batches and len(batches) < len(watched) / 3  # small tensors: several per call
     assert torch.equal(dbg(x), model(x))
+
+
+def test_batched_observations_are_made_before_an_in_place_op():
+    class InPlace(torch.nn.Module):
+        def forward(self, x):
+            y = x * 2.0  # observed, then overwritten in place below
+            y.mul_(-1.0)
+            return y + 1.0
+
+    x = torch.rand(3, 4) + 1.0
+    dbg = fxdebug.instrument(InPlace(), [StatCollector()], example_inputs=(x,))
+    dbg(x)
+    nodes = list(dbg.graph.nodes)
+    mul_ = next(i for i, n in enumerate(nodes) if n.op == "call_method" and n.target == "mul_")
+    mul = next(n for n in nodes if n.name == "mul")
+    user = next(i for i, n in enumerate(nodes) if n.op == "call_function" and mul in (n.args[0] if isinstance(n.args[0], list) else [n.args[0]]))
+    assert user < mul_  # the observation of `mul` runs before `mul_` changes it
+    assert dbg.report().row("mul")["min"] == pytest.approx(float((x * 2).min()))
 
 
 def test_mixed_probes_keep_the_observer_and_still_use_one_fused_read():

@@ -267,12 +267,36 @@ void observe_autograd(const at::Tensor& x, at::Tensor& table, int64_t row, int64
   op.call(x, table, row, chan_off, channels, channel_dim);
 }
 
+// Several small tensors in one call (one dispatch instead of one per node); `args` holds
+// (row, chan_off, channels, channel_dim) for each tensor.
+void observe_many_cpu(at::TensorList xs, at::Tensor& table, at::IntArrayRef args) {
+  TORCH_CHECK(static_cast<int64_t>(args.size()) == 4 * static_cast<int64_t>(xs.size()),
+              "fxdebug::observe_many: expected 4 ints per tensor, got ", args.size(), " for ", xs.size());
+  for (size_t i = 0; i < xs.size(); i++)
+    observe_cpu(xs[i], table, args[4 * i], args[4 * i + 1], args[4 * i + 2], args[4 * i + 3]);
+}
+
+void observe_many_autograd(at::TensorList xs, at::Tensor& table, at::IntArrayRef args) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fxdebug::observe_many", "")
+                       .typed<void(at::TensorList, at::Tensor&, at::IntArrayRef)>();
+  op.call(xs, table, args);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fxdebug, m) {
   m.def("observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()");
+  m.def("observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fxdebug, CPU, m) { m.impl("observe", &observe_cpu); }
+TORCH_LIBRARY_IMPL(fxdebug, CPU, m) {
+  m.impl("observe", &observe_cpu);
+  m.impl("observe_many", &observe_many_cpu);
+}
 
-TORCH_LIBRARY_IMPL(fxdebug, Autograd, m) { m.impl("observe", &observe_autograd); }
+TORCH_LIBRARY_IMPL(fxdebug, Autograd, m) {
+  m.impl("observe", &observe_autograd);
+  m.impl("observe_many", &observe_many_autograd);
+}

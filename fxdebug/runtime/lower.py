@@ -24,9 +24,10 @@ from torch.fx import GraphModule, Node
 
 from ..meta import fx_meta
 from ..observe import Clock, Observer
-from .ops import load, observe_op
+from .ops import load, observe_many_op, observe_op
 
-__all__ = ["GradTap", "is_lowered", "lower_observers", "observe_grad", "observer_of", "unlower"]
+__all__ = ["GradTap", "batch_observations", "find_lowered", "is_lowered", "lower_observers", "observe_grad",
+           "observer_of", "observers_in", "unbatch", "unlower"]
 
 
 class GradTap:
@@ -50,13 +51,13 @@ def observe_grad(x: Any, table: Tensor | None, row: int, chan_off: int, channels
 
 
 def is_lowered(node: Node) -> bool:
-    return node.op == "call_function" and "observer" in fx_meta(node)
+    return node.op == "call_function" and ("observer" in fx_meta(node) or "batch" in fx_meta(node))
 
 
 def observer_of(gm: GraphModule, node: Node) -> Observer | None:
     """The ``Observer`` behind an instrumentation node, lowered or not."""
     meta = fx_meta(node)
-    if meta.get("role") != "instrumentation" or "observes" not in meta:
+    if meta.get("role") != "instrumentation" or "observes" not in meta or "batch" in meta:
         return None
     target = meta.get("observer") if node.op == "call_function" else (node.target if node.op == "call_module" else None)
     if target is None:
@@ -122,8 +123,122 @@ def lower_observers(gm: GraphModule) -> int:
         anchors = [n for n in graph.nodes if n.op == "placeholder"]
         clock_node.args = tuple(anchors)
         clock.materialize(devices[0] if devices else "cpu")
+    batch_observations(gm, clock_node)
     gm.recompile()
     return lowered
+
+
+BATCH_NUMEL = 4096  # tensors up to this size (16 KiB in float32) may wait for a batched call
+BATCH_MAX = 16  # at most this many per call: what a batch keeps alive stays under 256 KiB
+
+
+def _small(node: Node) -> bool:
+    shape = fx_meta(node).get("shape")
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return False
+    n = 1
+    for d in shape:
+        n *= d
+    return n <= BATCH_NUMEL
+
+
+def _barrier(node: Node, gm: GraphModule) -> bool:
+    """A node before which pending observations must be made: it may write into a tensor
+    (in-place op, a module of unknown behaviour), may raise (a Python observer), or ends the graph."""
+    from ..ops import is_inplace
+
+    if node.op == "output":
+        return True
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        return isinstance(mod, Observer) or not type(mod).__module__.startswith("torch.nn") or is_inplace(node, gm)
+    if node.op in ("call_function", "call_method"):
+        return not is_lowered(node) and is_inplace(node, gm)
+    return False
+
+
+def batch_observations(gm: GraphModule, clock_node: Node) -> int:
+    """Merge runs of forward observations of small tensors into one ``observe_many`` call each.
+
+    An observation waits at most until the next barrier (an in-place op or a module that might
+    write into what is pending, a Python observer that might raise, the output) and at most
+    ``BATCH_MAX`` observations, so values are read before anything can change them and little is
+    kept alive. Returns the number of batched calls made."""
+    graph, pending, made = gm.graph, [], 0
+
+    def flush(before: Node) -> None:
+        nonlocal made
+        if len(pending) >= 2:
+            args: list[int] = []
+            for p in pending:
+                args.extend(p.args[2:])  # type: ignore[arg-type]
+            with graph.inserting_before(before):
+                batch = graph.call_function(observe_many_op(), ([p.args[0] for p in pending], clock_node, args))
+            members = [(fx_meta(p)["observes"], fx_meta(p)["observer"]) for p in pending]
+            fx_meta(batch).update(role="instrumentation", observes=members[0][0], batch=members,
+                                  added_by=fx_meta(pending[0]).get("added_by"))
+            for p in pending:
+                graph.erase_node(p)
+            made += 1
+        pending.clear()
+
+    for node in list(graph.nodes):
+        if is_lowered(node) and fx_meta(node).get("phase") == "forward" and node.target is observe_op() \
+                and isinstance(node.args[0], Node) and _small(node.args[0]):
+            pending.append(node)
+            if len(pending) == BATCH_MAX:
+                flush(node.next)
+        elif pending and _barrier(node, gm):
+            flush(node)
+    return made
+
+
+def unbatch(gm: GraphModule, batch: Node) -> None:
+    """Split a batched call back into one lowered op call per observed node."""
+    members = fx_meta(batch)["batch"]
+    xs, clock_node, args = batch.args
+    for i, ((observed, target), x) in enumerate(zip(members, xs)):  # type: ignore[arg-type]
+        with gm.graph.inserting_before(batch):
+            new = gm.graph.call_function(observe_op(), (x, clock_node, *args[4 * i: 4 * i + 4]))  # type: ignore[index]
+        fx_meta(new).update(role="instrumentation", observes=observed, observer=target, phase="forward")
+    gm.graph.erase_node(batch)
+
+
+def find_lowered(node: Node) -> Node | None:
+    """The lowered op call observing ``node`` (splitting a batch that holds it), or ``None``."""
+    gm = node.graph.owning_module
+    for u in list(node.users):
+        meta = fx_meta(u)
+        if "batch" in meta and any(o == node.name for o, _ in meta["batch"]) and gm is not None:
+            unbatch(gm, u)
+            break
+    return next((u for u in node.users if fx_meta(u).get("observes") == node.name and is_lowered(u)), None)
+
+
+def observers_in(gm: GraphModule) -> dict[str, Observer]:
+    """``{observed node name: Observer}`` over every form an observer takes in ``gm``'s graph:
+    a ``call_module``, a lowered op call, or a member of a batched call."""
+    out: dict[str, Observer] = {}
+    for n in gm.graph.nodes:
+        meta = fx_meta(n)
+        if meta.get("role") != "instrumentation":
+            continue
+        for observed, target in meta.get("batch", ()):
+            mod = _module(gm, target)
+            if mod is not None:
+                out[observed] = mod
+        obs = observer_of(gm, n)
+        if obs is not None and "batch" not in meta:
+            out[meta["observes"]] = obs
+    return out
+
+
+def _module(gm: GraphModule, target: str) -> Observer | None:
+    try:
+        mod = gm.get_submodule(target)
+    except AttributeError:
+        return None
+    return mod if isinstance(mod, Observer) else None
 
 
 def unlower(gm: GraphModule, node: Node) -> Node:

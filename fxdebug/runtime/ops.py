@@ -25,9 +25,10 @@ import torch
 
 from .fallback import observe_torch
 
-__all__ = ["backend", "load", "observe_op"]
+__all__ = ["backend", "fallback_reason", "load", "observe_many_op", "observe_op"]
 
 _SCHEMA = "observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()"
+_SCHEMA_MANY = "observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()"
 _SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "observe.cpp"]
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"backend": None, "why": None, "libs": []}
@@ -36,7 +37,7 @@ _STATE: dict[str, Any] = {"backend": None, "why": None, "libs": []}
 def _cflags() -> tuple[str, list[str]]:
     """Optimisation flags safe for this machine, and a build name that keeps caches apart."""
     flags = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
-    name = "fxdebug_observe_v1"
+    name = "fxdebug_observe_v2"
     if platform.machine() in ("x86_64", "AMD64"):
         try:
             cpu = Path("/proc/cpuinfo").read_text()
@@ -79,9 +80,13 @@ def load() -> str:
         _STATE["libs"].append(lib)
         if not have:
             lib.define(_SCHEMA)
+            lib.define(_SCHEMA_MANY)
             lib.impl("observe", _below_autograd, "Autograd")
+            lib.impl("observe_many", _many_below_autograd, "Autograd")
         lib.impl("observe", observe_torch, "CompositeExplicitAutograd")
+        lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
+        torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
         _STATE["backend"] = "c++" if have else "torch"
     return _STATE["backend"]
 
@@ -89,6 +94,7 @@ def load() -> str:
 def _defined() -> bool:
     try:
         torch.ops.fxdebug.observe.default  # noqa: B018
+        torch.ops.fxdebug.observe_many.default  # noqa: B018
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -96,6 +102,20 @@ def _defined() -> bool:
 
 def _fake(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
     return None
+
+
+def _fake_many(xs: Any, table: Any, args: Any) -> None:
+    return None
+
+
+def observe_many_torch(xs: Any, table: Any, args: Any) -> None:
+    for i, x in enumerate(xs):
+        observe_torch(x, table, *args[4 * i: 4 * i + 4])
+
+
+def _many_below_autograd(xs: Any, table: Any, args: Any) -> None:
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fxdebug.observe_many.default(xs, table, args)
 
 
 def _below_autograd(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
@@ -118,3 +138,9 @@ def observe_op() -> Any:
     """The op overload the graph calls (loading it first)."""
     load()
     return torch.ops.fxdebug.observe.default
+
+
+def observe_many_op() -> Any:
+    """The batched op: several small tensors in one call."""
+    load()
+    return torch.ops.fxdebug.observe_many.default
