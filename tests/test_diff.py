@@ -17,7 +17,10 @@ from zoo import ZOO
 
 def _report(model, inputs, **kw):
     dbg = fxdebug.instrument(model, [StatCollector(), NaNCheck()], example_inputs=inputs, **kw)
-    dbg(*inputs)
+    if isinstance(inputs, dict):
+        dbg(**inputs)
+    else:
+        dbg(*inputs)
     return dbg.report()
 
 
@@ -127,3 +130,22 @@ def test_eager_vs_inductor_aligns_every_node():
     torch.compile(dbg)(x)
     d = fxdebug.diff(eager, dbg.report(), rtol=1e-4)
     assert len(d.aligned) == len(eager.rows) and d.first_divergent is None
+
+
+def test_tiny_gpt2_fp32_vs_bf16_aligns_every_node():
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    a = _report(model, {"input_ids": ids})
+    b = _report(copy.deepcopy(model).to(torch.bfloat16), {"input_ids": ids})
+    d = fxdebug.diff(a, b, rtol=0.05)
+    assert len(d.aligned) == len(a.rows) == len(b.rows) > 30
+    assert all(r["match"] == "name" for r in d.aligned)
+    assert 0 < max(r["divergence"] for r in d.aligned) and d.first_divergent is None  # bf16 noise, under 5 %
+    tight = fxdebug.diff(a, b, rtol=1e-4)
+    assert tight.first_divergent == tight.divergent[0] and len(tight.divergent) > 10

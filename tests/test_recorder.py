@@ -142,3 +142,29 @@ def test_reset_rearms_and_bad_options():
     with pytest.raises(fxdebug.UsageError):
         NaNCheck(history=4, on_nonfinite=3)
     assert fxdebug.instrument(LossScale(), [NaNCheck()], example_inputs=(torch.rand(3, 8),)).report().history is None
+
+
+def test_tiny_gpt2_recorder_keeps_the_calls_before_a_corrupted_embedding():
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(1, 100, (2, 8))
+    fired = []
+    dbg = fxdebug.instrument(model, [NaNCheck(history=3, on_nonfinite=fired.append)], example_inputs={"input_ids": ids})
+    for step in range(6):
+        batch = ids.clone()
+        if step == 4:
+            batch[0, 3] = 0
+            with torch.no_grad():
+                model.transformer.wte.weight[0, 5] = float("inf")  # one corrupted embedding entry
+        dbg(input_ids=batch)
+        assert len(fired) == (1 if step >= 4 else 0)
+    history = fired[0].history
+    assert history.calls == [2, 3, 4]
+    call, node = history.first_nonfinite
+    assert call == 4 and fired[0].row(node)["module"] == "transformer.wte"
+    assert all(not r.nonfinite for r in history.before(4))
