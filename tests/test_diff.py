@@ -149,3 +149,13 @@ def test_tiny_gpt2_fp32_vs_bf16_aligns_every_node():
     assert 0 < max(r["divergence"] for r in d.aligned) and d.first_divergent is None  # bf16 noise, under 5 %
     tight = fxdebug.diff(a, b, rtol=1e-4)
     assert tight.first_divergent == tight.divergent[0] and len(tight.divergent) > 10
+
+
+def test_render_colours_the_graph_by_divergence(tmp_path):
+    model, (x,) = cancelling_norm()
+    dbg = fxdebug.instrument(model, [StatCollector(), NaNCheck()], example_inputs=(x,))
+    dbg(x)
+    d = fxdebug.diff(dbg.report(), _report(copy.deepcopy(model).to(torch.bfloat16), (x.bfloat16(),)), rtol=0.05)
+    svg = dbg.render(str(tmp_path / "diff.svg"), diff=d)
+    text = open(svg, encoding="utf-8").read()
+    assert "divergent node: sub" in text  # the first divergent node is marked on the picture
