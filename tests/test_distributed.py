@@ -34,7 +34,17 @@ def _free_port() -> int:
 
 
 def spawn(scenarios: str, out: Path, world: int = 2, timeout: float = 20.0) -> tuple[list[dict], list[int], str]:
-    """Run ``scenarios`` on ``world`` ranks; returns each rank's results, exit codes and their output."""
+    """Run ``scenarios`` on ``world`` ranks; returns each rank's results, exit codes and their output.
+
+    The free port is only free when chosen: if another process took it first, start once more.
+    """
+    results, codes, text = _spawn_once(scenarios, out, world, timeout)
+    if any(codes) and "address already in use" in text.lower():
+        results, codes, text = _spawn_once(scenarios, out, world, timeout)
+    return results, codes, text
+
+
+def _spawn_once(scenarios: str, out: Path, world: int, timeout: float) -> tuple[list[dict], list[int], str]:
     env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "FXDEBUG_TEST_TIMEOUT": str(timeout), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     procs = []
@@ -54,8 +64,9 @@ def spawn(scenarios: str, out: Path, world: int = 2, timeout: float = 20.0) -> t
     text = "\n".join(f"--- rank {r} ---\n{logs[r].read_text()}" for r in range(world))
     results = []
     for r in range(world):
-        path = out / f"rank{r}.pt"
+        path = out / f"rank{r}.pt"  # read, then removed: a retry must not see this run's files
         results.append(torch.load(path, weights_only=False) if path.exists() else {})
+        path.unlink(missing_ok=True)
     return results, codes, text
 
 
