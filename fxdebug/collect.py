@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, TextIO
 import torch
 from torch import Tensor, nn
 
-from .errors import FxDebugError, UsageError
+from .errors import ArgumentTypeError, FxDebugError, UsageError
 
 __all__ = ["collect", "split_batch"]
 
@@ -65,7 +65,7 @@ def collect(
     Returns the ``Report``; ``report.failure`` holds the check that stopped the loop, if one did.
     """
     if not hasattr(dbg, "report"):
-        raise UsageError(f"collect() needs an instrumented module (fxdebug.instrument(model, passes, ...)); "
+        raise ArgumentTypeError(f"collect() needs an instrumented module (fxdebug.instrument(model, passes, ...)); "
                          f"got {type(dbg).__name__}.")
     if batches is not None and (isinstance(batches, bool) or not isinstance(batches, int) or batches < 1):
         raise UsageError(f"collect(batches={batches!r}): give a positive number of batches, or None for all.")

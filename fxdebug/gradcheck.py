@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .context import bind_inputs, preserved_state
-from .errors import UsageError
+from .errors import ArgumentTypeError, MissingInputsError
 from .meta import is_instrumentation, module_path, op_label, source_line
 from .modes import recipe
 from .select import Where, matches
@@ -304,12 +304,12 @@ def gradcheck(
         double: also run ``gradgradcheck`` (second derivatives).
     """
     if not isinstance(dbg, GraphModule):
-        raise UsageError(f"fxdebug.gradcheck needs an instrumented model (fxdebug.instrument(...)); got {type(dbg).__name__}.")
+        raise ArgumentTypeError(f"fxdebug.gradcheck needs an instrumented model (fxdebug.instrument(...)); got {type(dbg).__name__}.")
     remembered = recipe(dbg)  # what instrument()/trace() was given, kept to recapture other modes
     raw = example_inputs if example_inputs is not None else getattr(remembered, "inputs", None)
     inputs = normalize_inputs(raw)
     if inputs is None:
-        raise UsageError("fxdebug.gradcheck needs the example run's inputs: pass example_inputs=(x,).")
+        raise MissingInputsError("fxdebug.gradcheck needs the example run's inputs: pass example_inputs=(x,).")
     calls = ("call_function", "call_method", "call_module")
     if isinstance(where, str) and where == "<custom>":
         picked = [n for n in dbg.graph.nodes if n.op in calls and not is_instrumentation(n) and is_custom(n, dbg)]

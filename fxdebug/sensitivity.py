@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .api import instrument
-from .errors import UsageError
+from .errors import MissingInputsError, UsageError
 from .inputs import normalize_inputs, preserved_state
 
 __all__ = ["Sensitivity", "sensitivity"]
@@ -136,7 +136,7 @@ def sensitivity(model: nn.Module, example_inputs: Any, *, noise: float = 0.01,
         raise UsageError(f"sensitivity(noise={noise!r}): give a positive relative noise level, e.g. 0.01.")
     normalized = normalize_inputs(example_inputs)
     if normalized is None:
-        raise UsageError("sensitivity() needs example_inputs to run the model on.")
+        raise MissingInputsError("sensitivity() needs example_inputs to run the model on.")
     args, kwargs = normalized
     owners = _owners(model)
     if modules is not None:

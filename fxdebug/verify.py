@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.fx import Interpreter
 from torch.utils import _pytree as pytree
 
-from .errors import ArgumentTypeError, VerificationError
+from .errors import ArgumentTypeError, MissingInputsError, VerificationError
 from .inputs import bind_inputs, clone_inputs, normalize_inputs
 from .meta import fx_meta
 from .modes import NAMESPACE, recipe
@@ -220,7 +220,7 @@ def verify(dbg: nn.Module, example_inputs: Any, *, modes: tuple[str, ...] = ("tr
     model = rec.model
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
-        raise ArgumentTypeError("verify() runs the model: pass example_inputs=(x,) (or a dict of keyword inputs).")
+        raise MissingInputsError("verify() runs the model: pass example_inputs=(x,) (or a dict of keyword inputs).")
     args, kwargs = inputs
     result = Verification(ok=True, modes=tuple(modes))
     with _restored(model, dbg), _statistics_kept(dbg):

@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Interpreter, Node
 
 import fxdebug
-from fxdebug import InplaceError, PassContext, PassResult, UsageError, Where
+from fxdebug import InplaceError, MissingInputsError, PassContext, PassResult, UsageError, Where
 from fxdebug.authoring import (
     fx_meta, is_instrumentation, keep_state, matches, module_path, node_values, op_label, source_line,
 )
@@ -200,7 +200,7 @@ class InplaceCheck(fxdebug.Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         if ctx.inputs is None:
-            raise UsageError("InplaceCheck needs example inputs to see what autograd saves: "
+            raise MissingInputsError("InplaceCheck needs example inputs to see what autograd saves: "
                              "call instrument(model, [InplaceCheck()], example_inputs=(x,)).")
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         bound = node_values(gm, ctx, placeholders)

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import (Pass, PassContext, PassError, PassResult, UsageError, fx_meta, get_module, is_conv, is_linear,
+from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResult, UsageError, fx_meta, get_module, is_conv, is_linear,
                      keep_state, node_values)
 
 from .derived import mark_derived
@@ -213,7 +213,7 @@ class PruneMasks(Pass):
     def _structured(self, gm: GraphModule, ctx: PassContext, layers: dict[str, nn.Module],
                     notes: list[str]) -> dict[str, dict[str, Tensor]]:
         if ctx.inputs is None:
-            raise PassError("PruneMasks(structured=\"channels\") needs example inputs to find coupled channels: "
+            raise MissingInputsError("PruneMasks(structured=\"channels\") needs example inputs to find coupled channels: "
                             "call instrument(model, passes, example_inputs=(x,)).", pass_name=self.name)
         producers = {}
         outputs = set() if self.prune_outputs else output_layers(gm, set(layers))

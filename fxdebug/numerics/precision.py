@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from ..context import PassContext
-from ..errors import UsageError
+from ..errors import MissingInputsError, UsageError
 from ..meta import fx_meta, is_instrumentation, module_path, op_label
 from .tensors import device_of, float_leaves, no_autocast, rel_error, tree_cast
 
@@ -218,7 +218,7 @@ def _inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
     got = normalize_inputs(example_inputs)
     if got is None:
-        raise UsageError("precision_plan(model, example_inputs, ...) needs example inputs to run the model on.")
+        raise MissingInputsError("precision_plan(model, example_inputs, ...) needs example inputs to run the model on.")
     return tuple(got[0]), dict(got[1])
 
 
