@@ -157,5 +157,6 @@ def test_render_colours_the_graph_by_divergence(tmp_path):
     dbg(x)
     d = fxdebug.diff(dbg.report(), _report(copy.deepcopy(model).to(torch.bfloat16), (x.bfloat16(),)), rtol=0.05)
     svg = dbg.render(str(tmp_path / "diff.svg"), diff=d)
-    text = open(svg, encoding="utf-8").read()
+    text = (tmp_path / "diff.svg").read_text(encoding="utf-8")
+    assert str(svg).endswith("diff.svg")
     assert "divergent node: sub" in text  # the first divergent node is marked on the picture
