@@ -90,3 +90,21 @@ def test_quick_harness_writes_the_table(bench, bm, tmp_path):
     if bm.passes_available():
         assert float(cells[5]) > 0  # the fxdebug variant ran
         assert re.search(r"\| instrument_s \| \d", text)
+
+
+def test_debug_suite_runs_and_writes_its_table(tmp_path):
+    _load("bench")
+    debug = _load("bench_debug")
+    out = tmp_path / "debug.md"
+    args = debug.parse(["--models", "zoo residual_cnn,mlp 20x256 batch 2", "--runs", "1", "--warmup", "0",
+                        "--repeats", "1", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        text = debug.run(args, lambda: "test machine")
+    finally:
+        torch.set_num_threads(threads)
+    assert out.read_text().strip() == text.strip()
+    for model in ("zoo residual_cnn", "mlp 20x256 batch 2"):
+        assert re.search(rf"\| {re.escape(model)} \| symbolic \| \d+ \|", text)
+    assert "hooks .item()" in text and "hooks sum" in text and "Forward + backward" in text
+    assert "| runtime kernel | c++ |" in text
