@@ -216,7 +216,7 @@ def test_dimensions_the_model_allows_vary_and_a_fixed_one_is_named() -> None:
     for batch in (3, 1, 9):  # the batch is free by default (torch.export.Dim.AUTO)
         x = torch.randn(batch, 6)
         assert torch.equal(gm(x), model(x))
-    with pytest.raises(fxdebug.UsageError, match=r"input 'x' has shape \(3, 5\).*\('\*', 6\)"):
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"input 'x' has shape \(3, 5\).*\('\*', 6\)"):
         gm(torch.randn(3, 5))  # the Linear fixes dim 1
     dyn = fxdebug.trace(model, (torch.randn(4, 6),), frontend="export", dynamic_batch=True)
     x = torch.randn(3, 6)

@@ -34,7 +34,7 @@ from torch.fx import Graph, GraphModule
 from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
-from ..errors import MissingInputsError, TraceError, UsageError
+from ..errors import MissingInputsError, ShapeMismatchError, TraceError
 from ..faithful_export import export_shell, watched_export
 from ..meta import _clean_export_path, fx_meta
 from ..tracing import TraceInfo
@@ -73,7 +73,7 @@ class InputGuard(nn.Module):
             got = tuple(value.shape)
             if len(got) != len(want) or any(w is not None and w != g for w, g in zip(want, got)):
                 shown = tuple("*" if w is None else w for w in want)
-                raise UsageError(
+                raise ShapeMismatchError(
                     f"input '{name}' has shape {got}, but the graph was captured by torch.export for shape "
                     f"{shown} (the model fixes the dimensions shown as numbers; '*' ones vary). Trace again with inputs "
                     "of this shape, or pass dynamic_batch=True to fxdebug.trace "
