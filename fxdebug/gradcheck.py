@@ -33,7 +33,13 @@ from .tracing import normalize_inputs
 
 __all__ = ["GradcheckResult", "gradcheck"]
 
-_FULL_JACOBIAN = 4096  # input elements up to which the full Jacobians are compared element by element
+_FULL_JACOBIAN = 4096  # input (and output) elements up to which full Jacobians are compared element by element
+
+
+def _full(n_in: int, n_out: int) -> bool:
+    """Small enough for full Jacobians (one backward per output, two forwards per input element);
+    larger nodes are checked on random projections, as gradcheck's fast mode does."""
+    return n_in <= _FULL_JACOBIAN and n_out <= _FULL_JACOBIAN and n_in * n_out <= _FULL_JACOBIAN * 16
 
 
 @dataclass
@@ -229,7 +235,7 @@ def _max_diff(fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor], eps: 
         grads = torch.autograd.grad([o for o, _ in pairs], inputs, [w for _, w in pairs], allow_unused=True)
         return torch.cat([(g if g is not None else torch.zeros_like(x)).reshape(-1) for g, x in zip(grads, inputs)]).detach()
 
-    if n_in * n_out <= _FULL_JACOBIAN * 16 and n_in <= _FULL_JACOBIAN and n_out <= _FULL_JACOBIAN:
+    if _full(n_in, n_out):
         eye_in = torch.eye(n_in, dtype=torch.float64)
         numerical = torch.stack([jvp_numerical(eye_in[j]) for j in range(n_in)], dim=1)  # (n_out, n_in)
         eye_out = torch.eye(n_out, dtype=torch.float64)
@@ -260,8 +266,8 @@ def _check_node(node: Node, gm: GraphModule, args: Any, kwargs: Any, eps: float,
     if not any(o.requires_grad for o in outs):
         row.note = "no differentiable floating-point output"
         return row
-    ok = torch.autograd.gradcheck(fn, tuple(inputs), eps=eps, atol=atol, raise_exception=False,
-                                  fast_mode=sum(x.numel() for x in inputs) > _FULL_JACOBIAN)
+    fast = not _full(sum(x.numel() for x in inputs), sum(o.numel() for o in outs))
+    ok = torch.autograd.gradcheck(fn, tuple(inputs), eps=eps, atol=atol, raise_exception=False, fast_mode=fast)
     if not ok:
         row.passed, row.order, row.max_diff = False, 1, _max_diff(fn, inputs, eps)
         return row
@@ -269,7 +275,8 @@ def _check_node(node: Node, gm: GraphModule, args: Any, kwargs: Any, eps: float,
     if double:
         gen = torch.Generator().manual_seed(1)
         vs = [torch.randn(o.shape, generator=gen, dtype=o.dtype) for o in outs]
-        ok2 = torch.autograd.gradgradcheck(fn, tuple(inputs), tuple(vs), eps=eps, atol=atol, raise_exception=False)
+        ok2 = torch.autograd.gradgradcheck(fn, tuple(inputs), tuple(vs), eps=eps, atol=atol, raise_exception=False,
+                                           fast_mode=fast)
 
         def vjp(*xs: Tensor) -> tuple[Tensor, ...]:
             with torch.enable_grad():
