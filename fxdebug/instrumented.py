@@ -185,7 +185,10 @@ class Instrumented(GraphModule):
         if options:
             raise TypeError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
         reports = {path: part._part_report() for path, part in self.parts().items()}
-        return merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
+        merged = merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
+        from .eager_origin import explain_eager_origin  # a NaN made between captured parts
+
+        return explain_eager_origin(self, merged)
 
     def reset(self) -> None:
         """Forget every statistic collected so far."""

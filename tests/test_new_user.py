@@ -217,3 +217,33 @@ def test_eval_switches_the_root_and_what_it_computes(frontend):
     dbg.eval()
     assert dbg.training is False and all(not m.training for m in dbg.modules())
     assert torch.equal(dbg(x), model.eval()(x))
+
+
+# -- item 11: a NaN made in eager code between captured parts -------------------------------
+class EagerLog(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(4, 4)
+        self.dec = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.enc.weight.copy_(torch.eye(4))
+            self.enc.bias.zero_()
+
+    def forward(self, x):
+        h = torch.log(self.enc(x))  # in the root's eager forward: NaN for negative inputs
+        return self.dec(h)
+
+
+def test_nan_made_in_eager_code_between_parts_is_not_blamed_on_a_part():
+    from fxdebug.passes import NaNCheck
+
+    model = EagerLog()
+    x = torch.rand(8, 4) + 0.5
+    dbg = fxdebug.instrument(model, [NaNCheck(mode="record")], example_inputs=(x,), frontend="subtrees")
+    assert set(dbg.parts()) == {"enc", "dec"}
+    dbg(-x)
+    report = dbg.report()
+    assert report.first_nonfinite is None  # not 'dec/input_1': the part only received it
+    assert report.nonfinite_in_eager == "<root>"
+    note = next(n for n in report.notes if n.startswith("NaN/Inf origin: in uninstrumented (eager) code"))
+    assert "'dec'" in note and "EagerLog" in note
