@@ -152,3 +152,26 @@ def test_check_highlights_a_check_that_fails_mid_run(targets, tmp_path, capsys):
     assert failed["node"] == "x" and failed["error"] == "ShapeMismatchError"
     svg = fills(tmp_path / "c.svg")
     assert svg["x"] == COLORS["failed"] and svg["fc"] == COLORS["op"]
+
+
+def test_outputs_into_a_missing_directory_exit_2_before_any_work(targets, tmp_path, capsys):
+    for argv in (["demo", "-o", str(tmp_path / "nodir" / "x.svg")],
+                 ["render", f"{targets}:net", "--input", "2,4", "-o", str(tmp_path / "nodir" / "g.svg")],
+                 ["check", f"{targets}:net", "--input", "2,4", "--json", str(tmp_path / "nodir" / "r.json")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "does not exist" in err and "nodir" in err and "Traceback" not in err
+
+
+def test_check_data_reads_every_batch(targets, tmp_path):
+    torch.save([torch.randn(2, 4) for _ in range(10)], tmp_path / "batches.pt")
+    assert main(["check", f"{targets}:net", "--data", str(tmp_path / "batches.pt"), "--json", str(tmp_path / "r.json")]) == 0
+    assert json.loads((tmp_path / "r.json").read_text())["calls"] == 10
+
+
+def test_check_data_batch_that_does_not_fit_the_forward_exits_2(targets, tmp_path, capsys):
+    batches = [(torch.randn(2, 4),)] * 2 + [(torch.randn(2, 4), torch.randn(2, 4))] + [(torch.randn(2, 4),)] * 2
+    torch.save(batches, tmp_path / "batches.pt")
+    assert main(["check", f"{targets}:net", "--data", str(tmp_path / "batches.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "batch 3 of 5 does not fit the model" in err and "Traceback" not in err
