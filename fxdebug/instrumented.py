@@ -219,7 +219,7 @@ class Instrumented(GraphModule):
         report = kwargs.pop("report", None)
         if report is None and self.observers():
             report = self.report()
-        return draw(self, path, report=report, **kwargs)
+        return draw(self, path, report=report, parts=self.parts(), **kwargs)
 
     def retrace(self) -> "Instrumented":
         """A new ``Instrumented`` over the same model objects, with its own copy of fxdebug's modules.

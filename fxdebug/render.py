@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import subprocess
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 from torch.fx import GraphModule
@@ -66,6 +66,7 @@ def render(
     report: Any = None,
     fold: bool = True,
     diff: Any = None,
+    parts: Mapping[str, GraphModule] | None = None,
 ) -> str:
     """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work;
     ``.html`` writes the interactive viewer, one self-contained file that opens offline).
@@ -87,6 +88,8 @@ def render(
             having failed a check, with the message in its tooltip. Passes can mark nodes
             themselves with ``node.meta["fxdebug"]["failed"] = "<message>"``.
         report: a ``Report`` to draw instead of the module's own (e.g. one loaded or merged).
+        parts: the captured parts (``Instrumented.parts()``, which ``Instrumented.render`` passes);
+            several are drawn as one picture joined by the data between them.
         fold: fold what a reader does not need as boxes (``render_fold``): parameters onto the ops
             reading them, mask/shape plumbing into the cluster consuming it, and runs of identical
             repeated blocks into one block labelled ``layer.0–11 ×12``. ``False`` draws every node.
@@ -113,13 +116,13 @@ def render(
     fmt = ext.lstrip(".").lower() or "svg"
     if fmt in ("html", "htm"):
         gm, report = _resolve(model_or_gm, example_inputs, report)
-        return write_html(_view(gm, report, show_instrumentation, failed), out_path, diff=diff)
+        return write_html(_view(gm, report, show_instrumentation, failed, parts), out_path, diff=diff)
     if fmt not in _FORMATS:
         raise UsageError(f"render() writes {', '.join(_FORMATS)}; {out_path!r} ends in {ext!r}. Use e.g. 'model.svg'.")
     if not ext:
         out_path += ".svg"
     gm, report = _resolve(model_or_gm, example_inputs, report)
-    view = _view(gm, report, show_instrumentation, failed)
+    view = _view(gm, report, show_instrumentation, failed, parts)
     if diff is not None:
         mark_diff(view, diff)
     if fold:
@@ -198,11 +201,10 @@ def _dot_text(source: str, dot_path: str, out_path: str) -> str:
     return proc.stdout
 
 
-def _view(gm: GraphModule, report: Any, show_instrumentation: bool, failed: Any) -> GraphView:
+def _view(gm: GraphModule, report: Any, show_instrumentation: bool, failed: Any,
+          parts: Mapping[str, GraphModule] | None) -> GraphView:
     """The view of ``gm``: its graph, or every captured part joined by the data between them."""
-    get_parts = getattr(gm, "parts", None)
-    parts = get_parts() if callable(get_parts) else {"": gm}
-    if list(parts) != [""]:
+    if parts is not None and list(parts) != [""]:
         return parts_view(gm, report, failed=failed, show_instrumentation=show_instrumentation)
     return build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)
 
