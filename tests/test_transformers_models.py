@@ -186,3 +186,22 @@ def test_default_config_gpt2_is_captured_by_export_with_its_cache_and_generates(
     from fxdebug.recapture import captures
 
     assert captures(dbg) and any("captured again for a call with another signature" in n for n in dbg.trace_info.notes)
+
+
+def test_trainer_style_loop_trains_the_model_through_the_instrumented_module():
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = _ids(2, 8)
+    dbg = fxdebug.instrument(model, [StatCollector(grads=True)], example_inputs={"input_ids": ids, "labels": ids})
+    dbg.train()
+    assert dbg.config is model.config and dbg.training and dbg.device == model.device
+    opt = torch.optim.SGD(dbg.parameters(), lr=0.1)
+    before = model.transformer.wte.weight.detach().clone()
+    for _ in range(2):
+        loss = dbg(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(before, model.transformer.wte.weight)  # the model's own parameters trained
+    assert dbg.report().calls == 2
