@@ -67,15 +67,17 @@ class ParamGradProbe(Probe):
             h.remove()
         self._handles = []
         live = [(name, p) for name, p in self.params.items() if p.requires_grad]
-        for i, (name, p) in enumerate(live):
-            self._handles.append(p.register_hook(self._hook(state, i == 0)))
+        counted = [False]  # this forward's backward is counted by whichever hook fires first
+        for name, p in live:
+            self._handles.append(p.register_hook(self._hook(state, counted)))
 
-    def _hook(self, state: dict[str, Any], first: bool) -> Any:
+    def _hook(self, state: dict[str, Any], counted: list[bool]) -> Any:
         handles = self._handles
         slot = len(handles)
 
         def hook(g: Tensor) -> None:
             g = g.detach()
+            first, counted[0] = not counted[0], True  # a parameter the branch taken never used never fires
             one = torch.ones((), dtype=torch.float64, device=g.device) if first else \
                 torch.zeros((), dtype=torch.float64, device=g.device)
             acc = state["acc"]
@@ -162,7 +164,7 @@ class ParamGrads(fxdebug.Pass):
             groups.setdefault(host, {}).update(params)
             owners.setdefault(host, target if node.op == "call_module" else target.rpartition(".")[0])
         added = [ctx.observe(host, ParamGradProbe(params, owners[host])) for host, params in groups.items()]
-        return PassResult(gm, added=[a for a in added if a is not None])
+        return PassResult(gm, added=added)
 
 
 def _attr(gm: nn.Module, target: str) -> Any:

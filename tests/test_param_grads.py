@@ -64,3 +64,14 @@ def test_frozen_modules_have_no_parameter_gradients():
     report = dbg.report()
     assert report.row("layer1_0_conv1")["param_grad_calls"] == 0 and "param_grad_norm" not in report.row("layer1_0_conv1")
     assert report.row("stem_0")["param_grad_calls"] == 1
+
+
+def test_a_leaf_whose_first_parameter_is_unused_still_counts_its_backward():
+    model, (x,) = ZOO["control_flow"]()  # gate is an auto-leaf; one of its two branches runs
+    dbg = fxdebug.instrument(model, [ParamGrads()], example_inputs=(x,))
+    model.zero_grad(set_to_none=True)
+    dbg(x).sum().backward()
+    row = dbg.report().row("gate")
+    used = [p.grad for p in model.gate.parameters() if p.grad is not None]
+    assert row["param_grad_calls"] == 1 and 0 < len(used) < 4
+    assert row["param_grad_max_abs"] == pytest.approx(max(float(g.abs().max()) for g in used))
