@@ -117,6 +117,8 @@ def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     finally:
         h1.remove()
         h2.remove()
+        # torch's handle leaves the with_kwargs flag behind, and torch.compile then warns of global hooks
+        nn.modules.module._global_forward_hooks_with_kwargs.pop(h2.id, None)
     return seen, counter.total
 
 
