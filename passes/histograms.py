@@ -120,5 +120,5 @@ class Histograms(fxdebug.Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
         added = [ctx.observe(n, HistogramProbe(self.bins, self.range, self.grads))
-                 for n in ctx.nodes(gm, self.where, float_outputs=True, predicate=skip_views)]
-        return PassResult(gm, added=[a for a in added if a is not None])
+                 for n in ctx.nodes(gm, float_outputs=True, predicate=skip_views)]
+        return PassResult(gm, added=added)

@@ -187,12 +187,12 @@ class NaNCheck(fxdebug.Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
         skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
-        nodes = ctx.nodes(gm, self.where, ops=_OPS, float_outputs=True, predicate=skip_views)
+        nodes = ctx.nodes(gm, ops=_OPS, float_outputs=True, predicate=skip_views)
         for node in nodes:
             added.append(ctx.observe(node, self._probe(gm, node)))
         if self.history is not None or self.on_nonfinite is not None:
             added += fxdebug.numerics.add_recorder(gm, ctx, nodes, self.history or 1, self.on_nonfinite)
-        return PassResult(gm, added=[a for a in added if a is not None])
+        return PassResult(gm, added=added)
 
     def _probe(self, gm: GraphModule, node: Node) -> Probe:
         if self.mode == "record":

@@ -166,7 +166,7 @@ class StatCollector(fxdebug.Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
         skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
-        for node in ctx.nodes(gm, self.where, float_outputs=True, predicate=skip_views):
+        for node in ctx.nodes(gm, float_outputs=True, predicate=skip_views):
             spec = ctx.tensor_spec(node)
             ndim = len(spec.shape) if spec is not None else 0
             if self.channel_dim == "auto":
@@ -178,4 +178,4 @@ class StatCollector(fxdebug.Pass):
                 from .histograms import HistogramProbe
 
                 added.append(ctx.observe(node, HistogramProbe(self.histograms, grads=self.grads)))
-        return PassResult(gm, added=[a for a in added if a is not None])
+        return PassResult(gm, added=added)
