@@ -112,3 +112,12 @@ def test_tiny_llama_bf16_plan():
     low = copy.deepcopy(model).to(torch.bfloat16)
     fast = fxdebug.instrument(low, [Precision(plan)], example_inputs={"input_ids": ids})
     assert fast(input_ids=ids).logits.dtype == torch.bfloat16
+
+
+def test_in_place_ops_are_never_planned():
+    model, inputs = ZOO["inplace_ops"]()
+    plan = fxdebug.precision_plan(model, inputs, dtype=torch.bfloat16, tol=1e-4)
+    graph = fxdebug.trace(model).graph
+    inplace = {n.name for n in graph.nodes if n.op != "placeholder" and fxdebug.is_inplace(n)}
+    assert inplace and not inplace & set(plan.nodes)
+    assert plan.error_after <= plan.error_before

@@ -14,6 +14,9 @@ subtraction itself is exact); every candidate is verified by running the model, 
 is pruned node by node while the error stays under ``tol``. The search runs one instrumented copy
 whose ``KeepFloat`` nodes are switched on and off, so each try costs one forward call.
 
+Ops that write into an input (``relu_``, ``+=``) are never candidates: kept in fp32 they would
+write into an upcast copy instead of the tensor their other readers see.
+
 The reference is the same model computed in float32 from the same (rounded) parameters and
 inputs: the plan measures, and removes, the error of *arithmetic* in the target dtype; rounding
 the weights themselves is reported separately as ``error_weights`` (no op placement can undo it).
@@ -324,9 +327,15 @@ def _seeded(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         return module(*args, **kwargs)
 
 
-def _float_call_nodes(gm: GraphModule, ctx: PassContext) -> list[Node]:
+def _float_call_nodes(gm: GraphModule, ctx: PassContext, *, inplace: bool = True) -> list[Node]:
+    """Call nodes with a floating output; ``inplace=False`` leaves out ops that write into an
+    input (kept in fp32 they would write into an upcast copy, not the tensor others read)."""
+    from ..ops import is_inplace
+
     out = []
     for n in ctx.nodes(gm, None):
+        if not inplace and is_inplace(n, gm):
+            continue
         spec = ctx.spec(n)
         if any(isinstance(s, torch.dtype) and s.is_floating_point for s in
                (getattr(x, "dtype", None) for x in pytree.tree_leaves(spec, is_leaf=lambda v: hasattr(v, "dtype")))):
@@ -353,7 +362,7 @@ def _passes() -> tuple[type, type]:
         name = "precision-plan-search"
 
         def run(self, gm: GraphModule, ctx: PassContext) -> Any:
-            kept = keep_float(gm, ctx, _float_call_nodes(gm, ctx), active=False)
+            kept = keep_float(gm, ctx, _float_call_nodes(gm, ctx, inplace=False), active=False)
             return PassResult(gm, replaced={k: k for k in kept})
 
     return ShadowAll, KeepAll
