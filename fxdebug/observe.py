@@ -257,8 +257,8 @@ class Clock(nn.Module):
         with _locked():
             if not torch.compiler.is_compiling():
                 self._host_calls += 1
-            for tick in self._ticks.values():  # none exist before the first call asks for one
-                tick.add_(1)
+            for device_tick in self._ticks.values():  # none exist before the first call asks for one
+                device_tick.add_(1)
             table = self.table
             if self.rows:
                 device = next((a.device for a in anchors if isinstance(a, Tensor)), None)
@@ -428,6 +428,8 @@ class Observer(nn.Module):
     Inserted by ``PassContext.observe``; called as ``observer(output, *inputs)``; returns ``None``.
     """
 
+    _clock: Clock | None  # shared, not a child (set with object.__setattr__)
+
     def __init__(self, node_name: str, module_path: str, op: str, clock: Clock | None = None) -> None:
         super().__init__()
         self.node_name = node_name
@@ -493,7 +495,7 @@ class Observer(nn.Module):
         """Forward calls seen (a lowered observer's count lives in the table: reading it may sync)."""
         fused = self.fused_rows.get("forward")
         host = self._clock.host_table() if (fused is not None and self._clock is not None) else None
-        if host is not None:
+        if host is not None and fused is not None:
             from .runtime.slots import decode_row
 
             return max(self._calls, int(decode_row(host, fused[0])["calls"]))
@@ -592,9 +594,10 @@ class Observer(nn.Module):
         with _locked():
             items = sorted(self.states.items())
         for (key, phase), state in items:
-            probe = self.probes.get(key)
-            if probe is None:
+            found = self.probes.get(key)
+            if found is None:
                 continue
+            probe = found
             with _locked():
                 values = probe.summary(state, phase)
             if phase == "grad":
