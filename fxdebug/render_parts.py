@@ -68,9 +68,12 @@ def parts_view(gm: Any, report: Any = None, *, failed: Any = None, show_instrume
             if target.name in user.inputs:
                 user.inputs = [x for i in user.inputs for x in (outputs[src] if i == target.name else [i])]
         del nodes[target.name]
+    read = {i for v in nodes.values() for i in v.inputs}
     for path, placeholders in inputs.items():
         for p in placeholders:
-            if p.name in nodes:
+            if p.name in nodes and p.name not in read:
+                del nodes[p.name]  # an argument the part never reads (None, a flag): not part of the data flow
+            elif p.name in nodes:
                 p.notes.append(f"comes from the eager forward around {path}")
     for path, why in getattr(gm.trace_info, "eager_modules", {}).items():
         if path:
