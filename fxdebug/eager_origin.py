@@ -33,7 +33,7 @@ def explain_eager_origin(dbg: nn.Module, report: Any) -> Any:
     except AttributeError:
         typ = "module"
     where = f"'{owner}' ({typ})" if owner else f"the root ({typ})"
-    eager = sorted(p or "<root>" for p in getattr(dbg.trace_info, "eager_modules", {}))  # type: ignore[attr-defined]
+    eager = sorted(p or "<root>" for p in getattr(dbg.trace_info, "eager_modules", {}))
     report.first_nonfinite = None
     report.nonfinite_in_eager = owner or "<root>"
     report.notes.append(

@@ -65,7 +65,7 @@ def _take_class(gm: nn.Module, cls: type) -> None:
     _take_signature(gm, cls)
 
 
-def _take_signature(gm: nn.Module, cls: type) -> None:
+def _take_signature(gm: nn.Module, cls: Any) -> None:
     """``inspect.signature(dbg.forward)`` reads as the model's: ``generate`` decides by it what to pass.
 
     An export graph's forward lists only the example inputs; the call itself still goes to the

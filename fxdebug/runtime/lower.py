@@ -164,14 +164,15 @@ def batch_observations(gm: GraphModule, clock_node: Node) -> int:
     write into what is pending, a Python observer that might raise, the output) and at most
     ``BATCH_MAX`` observations, so values are read before anything can change them and little is
     kept alive. Returns the number of batched calls made."""
-    graph, pending, made = gm.graph, [], 0
+    graph, made = gm.graph, 0
+    pending: list[Node] = []
 
     def flush(before: Node) -> None:
         nonlocal made
         if len(pending) >= 2:
-            args: list[int] = []
+            args: list[Any] = []
             for p in pending:
-                args.extend(p.args[2:])  # type: ignore[arg-type]
+                args.extend(p.args[2:])
             with graph.inserting_before(before):
                 batch = graph.call_function(observe_many_op(), ([p.args[0] for p in pending], clock_node, args))
             members = [(fx_meta(p)["observes"], fx_meta(p)["observer"]) for p in pending]
@@ -199,7 +200,7 @@ def unbatch(gm: GraphModule, batch: Node) -> None:
     xs, clock_node, args = batch.args
     for i, ((observed, target), x) in enumerate(zip(members, xs)):  # type: ignore[arg-type]
         with gm.graph.inserting_before(batch):
-            new = gm.graph.call_function(observe_op(), (x, clock_node, *args[4 * i: 4 * i + 4]))  # type: ignore[index]
+            new = gm.graph.call_function(observe_op(), (x, clock_node, *args[4 * i: 4 * i + 4]))  # type: ignore[index, misc]
         fx_meta(new).update(role="instrumentation", observes=observed, observer=target, phase="forward")
     gm.graph.erase_node(batch)
 

@@ -88,7 +88,7 @@ def load() -> str:
         torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
         _STATE["backend"] = "c++" if have else "torch"
-    return _STATE["backend"]
+    return str(_STATE["backend"])
 
 
 def _defined() -> bool:
