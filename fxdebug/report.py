@@ -106,6 +106,9 @@ class Report:
             "nonfinite_grad_from": self.nonfinite_grad_from,
             "auto_leaves": self.auto_leaves,
             "notes": self.notes,
+            "failure": None if self.failure is None else {
+                "error": type(self.failure).__name__, "node": getattr(self.failure, "node", None),
+                "module": getattr(self.failure, "module", None), "message": str(self.failure)},
             "columns": [c.to_dict() for c in self.columns],
             "rows": self.rows,
         }

@@ -161,3 +161,14 @@ def test_collect_refuses_a_plain_model_and_a_bad_loss():
     dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
     with pytest.raises(fxdebug.UsageError, match="scalar"):
         fxdebug.collect(dbg, _loader(), loss_fn=lambda out, b: out, progress=False)
+
+
+def test_the_failure_is_in_the_json():
+    import json
+
+    model, (x,) = ZOO["dict_outputs"]()
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+    report = fxdebug.collect(dbg, [torch.randn(3, 5)], progress=False)
+    failure = json.loads(report.to_json())["failure"]
+    assert failure["error"] == "ShapeMismatchError" and failure["node"] == "body"
+    assert json.loads(fxdebug.collect(dbg, [x], progress=False).to_json())["failure"] is None
