@@ -27,6 +27,7 @@ import contextlib
 import importlib
 import re
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "apply_function",
     "autocast_enter",
     "autocast_exit",
+    "clean_graph_meta",
     "function_key",
     "grad_enter",
     "grad_exit",
@@ -66,6 +68,7 @@ class StateWrite(Exception):
                          "that a captured graph would not perform)")
         self.name = name
         self.kind = kind
+        self.described = f"{'an' if kind == 'attribute' else 'a'} {kind}"  # "a buffer", "an attribute"
 
 
 # -- run-time targets of the nodes the tracer records --------------------------------------------------
@@ -95,7 +98,7 @@ def _resolve(key: str) -> type:
 @has_side_effect
 def apply_function(key: str, *args: Any, **kwargs: Any) -> Any:
     """``Function.apply(*args)`` for the autograd.Function named ``key``: its own forward and backward."""
-    return _resolve(key).apply(*args, **kwargs)
+    return _resolve(key).apply(*args, **kwargs)  # type: ignore[attr-defined]
 
 
 @has_side_effect
@@ -179,7 +182,9 @@ def sync_attributes(src: nn.Module, dst: nn.Module) -> None:
 def sync_tensors(src: nn.Module, dst: nn.Module, *, parameters: bool = True) -> None:
     """Point ``dst``'s buffer (and parameter) entries at ``src``'s objects where they differ:
     a forward rebinds a buffer (``self.avg = ...``), ``model.to()`` may replace either."""
-    pairs = [(src._buffers, dst._buffers)] + ([(src._parameters, dst._parameters)] if parameters else [])
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]] = [(src._buffers, dst._buffers)]
+    if parameters:
+        pairs.append((src._parameters, dst._parameters))
     for mine, theirs in pairs:
         for k, v in mine.items():
             if theirs.get(k, _MISSING) is not v:
@@ -223,9 +228,12 @@ def patched_for_tracing(tracer: Any, root: nn.Module, *, on_write: str = "raise"
         if _depth == 0:
             _install()
         _depth += 1
+    swapped = _watch_reads(root)
     try:
         yield
     finally:
+        for m, cls in swapped:
+            object.__setattr__(m, "__class__", cls)
         with _LOCK:
             _depth -= 1
             if _depth == 0:
@@ -244,7 +252,7 @@ def caller_location() -> str | None:
     import sys
 
     torch_dir, ours = os.path.dirname(torch.__file__), os.path.dirname(__file__)
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((torch_dir, ours)) and not filename.startswith("<"):
@@ -268,7 +276,7 @@ def writes_and_functions() -> tuple[list[tuple[nn.Module, str, str | None]], lis
 _ORIGINALS: dict[tuple[Any, str], Any] = {}
 
 
-def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
+def _targets() -> list[tuple[Any, str, Any]]:
     from torch.amp.autocast_mode import autocast
     from torch.autograd import grad_mode
     from torch.autograd.function import Function
@@ -286,7 +294,6 @@ def _targets() -> list[tuple[Any, str, Callable[..., Any]]]:
         (autocast, "__enter__", _autocast_enter),
         (autocast, "__exit__", _autocast_exit),
         (nn.Module, "__setattr__", _setattr),
-        (nn.Module, "__getattribute__", _getattribute),
     ]
 
 
@@ -417,16 +424,78 @@ def _autocast_exit(self: Any, *exc: Any) -> Any:
 
 
 _FX_NAMES = ("_tensor_constant", "_fx_", "_param_constant")
-_get = object.__getattribute__
+_WATCHED: dict[tuple[type, frozenset[str]], type] = {}
+_WATCHED_SET: set[type] = set()
 
 
-def _getattribute(self: nn.Module, name: str) -> Any:
-    value = _get(self, name)
-    if type(value) in _PLAIN and name not in _MODULE_INTERNALS:
-        modules = getattr(_ACTIVE, "modules", None)
-        if modules is not None and id(self) in modules and name in _get(self, "__dict__"):
-            _ACTIVE.reads.setdefault((id(self), name), (self, value))
+def _watched_class(cls: type, names: frozenset[str]) -> type:
+    """A subclass of ``cls`` whose plain attributes ``names`` are properties that record each read.
+
+    Only those reads pay a Python call (a data descriptor wins over the instance dict); every
+    other attribute, parameter and submodule is found as fast as before. The subclass keeps the
+    name, module and qualname of ``cls``, so leaf decisions and module stacks read the same.
+    """
+    key = (cls, names)
+    sub = _WATCHED.get(key)
+    if sub is None:
+        def prop(name: str) -> property:
+            def get(self: nn.Module) -> Any:
+                value = self.__dict__[name]
+                _ACTIVE.reads.setdefault((id(self), name), (self, value))
+                return value
+
+            def set_(self: nn.Module, value: Any) -> None:
+                self.__dict__[name] = value
+
+            return property(get, set_)
+
+        body: dict[str, Any] = {n: prop(n) for n in names}
+        body.update(__module__=cls.__module__, __qualname__=cls.__qualname__)
+        sub = _WATCHED[key] = type(cls.__name__, (cls,), body)
+        _WATCHED_SET.add(sub)
+    return sub
+
+
+def unwatched(value: Any) -> Any:
+    """``value`` with every read-recording subclass replaced by the user's class (module stacks that
+    torch recorded while tracing name ``type(module)``; the graph must pickle and read as the model's)."""
+    if isinstance(value, type):
+        return value.__bases__[0] if value in _WATCHED_SET else value
+    if isinstance(value, dict):
+        fixed = {k: unwatched(v) for k, v in value.items()}
+        if any(fixed[k] is not v for k, v in value.items()):
+            value = type(value)(fixed) if type(value) in (dict, OrderedDict) else fixed
+        return value
+    if type(value) in (tuple, list):
+        items = [unwatched(v) for v in value]
+        return type(value)(items) if any(a is not b for a, b in zip(items, value)) else value
     return value
+
+
+def clean_graph_meta(graph: Any) -> None:
+    """Apply ``unwatched`` to every node's metadata."""
+    if not _WATCHED_SET:
+        return
+    for node in graph.nodes:
+        for key, value in list(node.meta.items()):
+            fixed = unwatched(value)
+            if fixed is not value:
+                node.meta[key] = fixed
+
+
+def _watch_reads(root: nn.Module) -> list[tuple[nn.Module, type]]:
+    """Swap each module's class for one that records reads of its plain attributes; returns the undo."""
+    swapped = []
+    for m in {id(m): m for m in root.modules()}.values():
+        cls = type(m)
+        if "__getattribute__" in vars(cls) or "__slots__" in vars(cls) or isinstance(m, torch.jit.ScriptModule):
+            continue
+        names = frozenset(k for k, v in m.__dict__.items() if type(v) in _PLAIN and k not in _MODULE_INTERNALS
+                          and not k.startswith("_fxdebug") and not isinstance(getattr(cls, k, None), property))
+        if names:
+            object.__setattr__(m, "__class__", _watched_class(cls, names))
+            swapped.append((m, cls))
+    return swapped
 
 
 def _setattr(self: nn.Module, name: str, value: Any) -> None:

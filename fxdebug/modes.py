@@ -75,7 +75,7 @@ class Recipe:
     captures: list[Capture] = field(default_factory=list)
 
 
-def recipe(gm: nn.Module) -> Recipe | None:
+def recipe(gm: Any) -> Recipe | None:
     return gm.__dict__.get(_ATTR)
 
 
@@ -110,7 +110,7 @@ def _descendants(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if name]
 
 
-def _install_recipe(gm: nn.Module, rec: Recipe) -> None:
+def _install_recipe(gm: Any, rec: Recipe) -> None:
     meta = gm.meta.get("fxdebug", {})
     rec.current = Capture(mode_key(gm.training, rec.modules), _guards_of(meta, rec.model), gm.graph,
                           gm._modules.get(NAMESPACE), meta)
@@ -118,7 +118,7 @@ def _install_recipe(gm: nn.Module, rec: Recipe) -> None:
     object.__setattr__(gm, _ATTR, rec)
 
 
-def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inputs: Any,
+def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
              options: dict[str, Any], instrument: Any) -> None:
     """Record on ``gm`` (and on each captured part) how to capture it again in other modes."""
     inner = recipe(model)
@@ -126,8 +126,8 @@ def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inp
         model, passes, example_inputs = inner.model, [*inner.passes, *passes], inner.inputs
         options = {**inner.options, **options}
     options = {k: v for k, v in options.items() if k in ("leaf_modules", "auto_leaf", "dynamic_batch")}
-    frontend = gm.trace_info.frontend  # type: ignore[attr-defined]
-    parts = gm.parts() if hasattr(gm, "parts") else {"": gm}  # type: ignore[operator]
+    frontend = gm.trace_info.frontend
+    parts = gm.parts() if hasattr(gm, "parts") else {"": gm}
     top = frontend if frontend in ("symbolic", "export") else ""
     previous = recipe(gm)
     rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model), instrument)
@@ -142,7 +142,7 @@ def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inp
     for path, part in parts.items():
         if not path or part is gm:
             continue
-        module = model.get_submodule(path)
+        module: Any = model.get_submodule(path)
         recorded = part.__dict__.get("_recorded_inputs")  # still there before the pass pipeline takes it
         inputs = Inputs(*recorded[0], **recorded[1]) if recorded is not None else known.get(path)
         rec.part_inputs[path] = inputs
@@ -156,7 +156,7 @@ def remember(gm: nn.Module, model: nn.Module, passes: Sequence[Any], example_inp
             inputs, sub, list(passes), _descendants(module), instrument, part=True))
 
 
-def follow_mode(gm: nn.Module, mode: bool) -> None:
+def follow_mode(gm: Any, mode: bool) -> None:
     """``part.train(mode)``: the submodule a captured part stands in for takes the flag too.
 
     With one graph the model's submodules are the instrumented module's own, so ``dbg.train()``
@@ -168,7 +168,7 @@ def follow_mode(gm: nn.Module, mode: bool) -> None:
         rec.model.training = mode
 
 
-def ensure_mode(gm: nn.Module) -> None:
+def ensure_mode(gm: Any) -> None:
     """Before a call: make sure ``gm`` runs the graph captured for the modes its modules are in now."""
     rec = gm.__dict__.get(_ATTR)
     if rec is None or not rec.frontend or rec.current is None:
@@ -181,7 +181,7 @@ def ensure_mode(gm: nn.Module) -> None:
             _switch(gm, rec, flags)
 
 
-def _switch(gm: nn.Module, rec: Recipe, flags: ModeKey) -> None:
+def _switch(gm: Any, rec: Recipe, flags: ModeKey) -> None:
     found = next((c for c in rec.captures if c.flags == flags and _holds(c.guards)), None)
     if found is None:
         found = _capture(gm, rec, flags)
@@ -195,11 +195,11 @@ def _switch(gm: nn.Module, rec: Recipe, flags: ModeKey) -> None:
     rec.current = found
 
 
-def _capture(gm: nn.Module, rec: Recipe, flags: ModeKey) -> Capture:
+def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
     instrument = rec.instrument
     before = rec.current
     assert before is not None
-    shell = copy.copy(rec.model)  # shares children, parameters, buffers; carries the root's new flag
+    shell: Any = copy.copy(rec.model)  # shares children, parameters, buffers; carries the root's new flag
     object.__setattr__(shell, "training", flags[0])
     was = "training" if before.flags[0] else "eval"
     now = "training" if flags[0] else "eval"

@@ -27,7 +27,7 @@ from torch import nn
 from torch.fx import Graph, Tracer
 
 from .errors import TraceError
-from .faithful import StateWrite, has_call_hooks, patched_for_tracing
+from .faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
 from .inputs import Inputs, normalize_inputs
 from .meta import fx_meta
 
@@ -265,6 +265,7 @@ def _trace_with_leaves(
         tracer = _FailureLocatingTracer(leaves)
         try:
             graph = tracer.trace(model, concrete_args=concrete or None)
+            clean_graph_meta(graph)  # module stacks name the user's classes (see faithful._watched_class)
         except Exception as exc:
             failed = getattr(exc, "_fxdebug_module", "")
             if failed and auto_leaf and failed not in leaves:
@@ -297,7 +298,7 @@ def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool)
     at = f" at {where}" if where else ""
     if isinstance(exc, StateWrite) and not failed:
         return TraceError(
-            f"the root forward of {type(model).__name__}{at} assigns self.{exc.name} (it updates model state: a {exc.kind}). "
+            f"the root forward of {type(model).__name__}{at} assigns self.{exc.name} (it updates {exc.described} of the model). "
             "A symbolic graph cannot perform it and the root cannot stay eager; nothing was written to the model. "
             "Use frontend='export' (it performs buffer updates) or frontend='subtrees' (keeps the root eager), "
             "or move the update into a submodule.",

@@ -69,11 +69,13 @@ class Verification:
 def _restored(*roots: nn.Module) -> Iterator[None]:
     modules = list({id(m): m for r in roots for m in r.modules()}.values())
     flags = [(m, m.training) for m in modules]
-    buffers = [(m, dict(m._buffers), {k: v.detach().clone() for k, v in m._buffers.items() if v is not None})
-               for m in modules]
-    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
+    buffers: list[tuple[nn.Module, dict[str, Any], dict[str, Tensor]]] = [
+        (m, dict(m._buffers), {k: v.detach().clone() for k, v in m._buffers.items() if v is not None})
+        for m in modules]
+    grads: list[tuple[Any, Any, Any]] = [(p, p.grad, None if p.grad is None else p.grad.detach().clone())
              for p in {id(p): p for r in roots for p in r.parameters()}.values()]
-    plain = [(m, {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN) and k != "training"}) for m in modules]
+    plain: list[tuple[nn.Module, dict[str, Any]]] = [
+        (m, {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN) and k != "training"}) for m in modules]
     devices = sorted({p.device.index or 0 for p, _, _ in grads if p.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices, enabled=True):
         try:
@@ -96,7 +98,7 @@ def _restored(*roots: nn.Module) -> Iterator[None]:
                 m.training = training
 
 
-def _namespaces(dbg: nn.Module) -> list[nn.Module]:
+def _namespaces(dbg: Any) -> list[nn.Module]:
     """fxdebug's own modules of every part, in every mode captured so far."""
     found: dict[int, nn.Module] = {}
     parts = dbg.parts() if hasattr(dbg, "parts") else {"": dbg}
@@ -132,7 +134,7 @@ def _put_back(current: Any, saved: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _statistics_kept(dbg: nn.Module) -> Iterator[None]:
+def _statistics_kept(dbg: Any) -> Iterator[None]:
     """What the observers and the clock hold is put back: verify's calls are not the user's statistics."""
     before = _namespaces(dbg)
     saved = [(m, {k: _copy_value(v) for k, v in vars(m).items() if k not in _SKIP})
@@ -204,7 +206,7 @@ def _equal(a: Any, b: Any, rtol: float, atol: float) -> bool:
     return type(a) is type(b) and a == b
 
 
-def verify(dbg: nn.Module, example_inputs: Any, *, modes: tuple[str, ...] = ("train", "eval"), seed: int = 0,
+def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", "eval"), seed: int = 0,
            rtol: float = 0.0, atol: float = 0.0) -> Verification:
     """Compare ``dbg`` with the model it was made from, in each of ``modes``; restore everything.
 
@@ -282,10 +284,10 @@ def _by(a: Any, b: Any) -> str:
 
 
 # -- where the runs part -----------------------------------------------------------------------------
-def _locate(dbg: nn.Module, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int,
+def _locate(dbg: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int,
             forward: bool, result: Verification, start: Any, params: list[nn.Parameter]) -> None:
     """Name the first node where graph and model part (best effort: module outputs are compared)."""
-    part = dbg.parts().get("") if hasattr(dbg, "parts") else dbg
+    part: Any = dbg.parts().get("") if hasattr(dbg, "parts") else dbg
     if part is None or not hasattr(part, "graph"):
         return
     eager = _module_outputs(model, args, kwargs, seed)
@@ -372,7 +374,7 @@ def _detach(t: Any) -> tuple[Any, Any]:
     return t, None
 
 
-def _node_values(part: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> dict[str, Any] | None:
+def _node_values(part: Any, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> dict[str, Any] | None:
     """``{node name: (value, gradient)}`` of the graph run node by node, forward and backward."""
     env: dict[str, Any] = {}
 
@@ -386,7 +388,7 @@ def _node_values(part: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             return value
 
     try:
-        flat = bind_inputs(part, *clone_inputs((args, kwargs)))  # type: ignore[arg-type]
+        flat = bind_inputs(part, *clone_inputs((args, kwargs)))
         torch.manual_seed(seed)
         out = _Recorder(part).run(*flat)
         loss = _loss(out)

@@ -35,6 +35,7 @@ from torch.fx import _pytree as fx_pytree
 from torch.utils import _pytree as pytree
 
 from ..errors import MissingInputsError, ShapeMismatchError, TraceError
+from ..faithful import clean_graph_meta
 from ..faithful_export import export_shell, watched_export
 from ..meta import _clean_export_path, fx_meta
 from ..tracing import TraceInfo
@@ -356,6 +357,7 @@ def capture_export(
     space = nn.Module()
     moved = _rehome_state(model, exported, graph, space)
     watch.check_buffer_updates(graph)  # every buffer the forward reassigned is updated by the graph
+    clean_graph_meta(graph)  # module stacks name the user's classes, not fxdebug's read-recording ones
     _replace_guards(graph, space)
     annotate_export(graph, model)
     if moved:
