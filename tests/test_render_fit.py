@@ -97,12 +97,14 @@ def nodes_of(path: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("name", [*sorted(MODELS), "gpt2/subtrees"])
 def test_default_picture_fits_with_the_nan_origin_drawn(name: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
+    name, _, frontend = name.partition("/")
     model, args, kwargs, poisoned = MODELS[name]()
     model.eval()
-    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=kwargs or args)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=kwargs or args,
+                             frontend=frontend or "auto")
     with torch.no_grad():
         model.get_submodule(poisoned).weight.view(-1)[0] = float("nan")
         dbg(*args, **kwargs)
@@ -114,6 +116,13 @@ def test_default_picture_fits_with_the_nan_origin_drawn(name: str, tmp_path: Pat
     nodes = nodes_of(path)
     assert nodes[origin]["fill"] == COLORS["origin"]  # drawn as itself, not inside a collapsed box
     assert not any(t.startswith("p_") or "get_attr" in " ".join(n["text"]) for t, n in nodes.items())
+    if frontend:  # parts joined by data edges, inside the eager parent's clusters
+        assert len(dbg.parts()) > 1
+        dot = (tmp_path / f"{name}.dot").read_text(encoding="utf-8")
+        assert "forward runs eagerly" in dot
+        assert any(a.split("/")[0] != b.split("/")[0] for a, b in
+                   re.findall(r'^\s*"([^"]+/[^"]+)" -> "([^"]+/[^"]+)"', dot, re.M))  # an edge between two parts
+        return
     graph = fxdebug.to_networkx(dbg)
     params = [n for n, a in graph.nodes(data=True) if a["op"] == "get_attr"]
     assert bool(params) == (name != "resnet50")  # export graphs read parameters with get_attr nodes
