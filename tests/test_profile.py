@@ -49,5 +49,5 @@ def test_time_columns_per_node_and_reset(tmp_path):
     twin(x)
     assert twin.report().row("fc")["time_ms"] > 0
     svg = (tmp_path / "t.svg")
-    dbg.render(str(svg))
+    dbg.render(str(svg), depth=10)  # every node drawn (no folding into module boxes)
     assert "hot: time_share 1" in svg.read_text()  # the slowest node is marked on the picture
