@@ -10,7 +10,7 @@ the network.
 The view is the SVG's (``render_view``) with the same folds for parameters, asserts and plumbing
 (``render_fold``), but repeated blocks stay separate: in the viewer each can be expanded. A
 cluster's mask/shape plumbing sits in a child cluster of its own, ``(mask/shape plumbing)``, closed
-at first. Folded
+at first; a cluster with hundreds of nodes of its own shows them in closed runs (``CHUNK``). Folded
 parameter and assert nodes are kept in the data as hidden nodes, so the node count the page shows
 is the graph's.
 """
@@ -67,6 +67,28 @@ def _cluster(v: VisNode) -> str:
     return v.cluster
 
 
+CHUNK = 100
+"""A cluster with more than ``2 * CHUNK`` nodes of its own shows them in closed runs of ``CHUNK``
+consecutive nodes (``(nodes 1–100)``), so a long flat graph still opens with a few boxes."""
+
+
+def _chunked(clusters: dict[str, str]) -> dict[str, str]:
+    """``{node: cluster}`` with oversized clusters' own nodes split into runs (graph order kept)."""
+    members: dict[str, list[str]] = {}
+    for name, cluster in clusters.items():
+        members.setdefault(cluster, []).append(name)
+    out = dict(clusters)
+    for cluster, names in members.items():
+        if len(names) <= 2 * CHUNK:
+            continue
+        for start in range(0, len(names), CHUNK):
+            run = names[start:start + CHUNK]
+            label = f"(nodes {start + 1}–{start + len(run)})"
+            for name in run:
+                out[name] = f"{cluster}.{label}" if cluster else label
+    return out
+
+
 def _node(v: VisNode, index: dict[str, int], hidden: bool) -> dict[str, Any]:
     return {
         "name": v.name, "op": v.label, "kind": v.kind, "module": v.module, "module_type": v.module_type,
@@ -120,9 +142,14 @@ def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
     view.focus = focus_paths(view)
     index = {name: i for i, name in enumerate(everything)}
     values, texts, first_divergent = diff_scores(diff)
+    nodes = [_node(v, index, name not in view.nodes) for name, v in everything.items()]
+    clusters = _chunked({n["name"]: n["cluster"] for n in nodes if not n["hidden"]})
+    for n in nodes:
+        if not n["hidden"]:
+            n["cluster"] = clusters[n["name"]]
     return {
         "model": view.model_type,
-        "nodes": [_node(v, index, name not in view.nodes) for name, v in everything.items()],
+        "nodes": nodes,
         "modules": view.module_types,
         "columns": [_jsonable(c.to_dict()) for c in view.columns if c.key not in ("node", "module", "op", "shape",
                                                                                     "dtype", "device")],

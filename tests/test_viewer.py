@@ -232,3 +232,16 @@ def test_viewer_colours_by_a_run_diff(browser: Any, tmp_path: Path) -> None:
     svg = runs[0].render(str(tmp_path / "diff.svg"), diff=d)
     text = Path(svg).read_text(encoding="utf-8")
     assert "first divergent node: stage1_conv" in text
+
+
+def test_long_flat_graph_opens_in_runs(browser: Any, tmp_path: Path) -> None:
+    layers: list[nn.Module] = []
+    for _ in range(600):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    gm = fxdebug.trace(nn.Sequential(*layers))  # 1,200 ops, all owned by the root module
+    open_page(browser, fxdebug.render(gm, tmp_path / "flat.html"))
+    assert int(browser.find_element(By.ID, "node-count").text) == len(gm.graph.nodes)
+    runs = [e.get_attribute("data-cluster") for e in browser.find_elements(By.CSS_SELECTOR, ".cluster.box")]
+    assert "(nodes 1–100)" in runs and len(drawn(browser)) < 300  # closed runs of 100, not 1,202 boxes
+    browser.find_element(By.ID, "search").send_keys("_1100\n")  # the Linear at index 1100
+    assert "_1100" in drawn(browser)

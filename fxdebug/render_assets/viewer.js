@@ -59,7 +59,7 @@
     var queue = clusters[""].children.slice();
     while (queue.length) {
       var c = queue.shift();
-      if (c.path.slice(c.path.lastIndexOf(".") + 1).charAt(0) === "(") continue; // plumbing stays closed
+      if (c.path.slice(c.path.lastIndexOf(".") + 1).indexOf("(mask") === 0) continue; // plumbing stays closed
       var grow = c.children.length + c.nodes.length - 1;
       if (visible + grow > AUTO_OPEN) continue;
       expanded[c.path] = true;
