@@ -43,8 +43,14 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: bool = Fals
             tuple(sorted((k, _kind(v, shapes)) for k, v in kwargs.items())))
 
 
+def _notes(gm: nn.Module) -> list[str]:
+    """The capture's notes (``Instrumented.trace_info.notes``; this module sits below ``instrumented``)."""
+    notes: list[str] = getattr(gm, "trace_info").notes
+    return notes
+
+
 def _dynamic(gm: nn.Module) -> bool:
-    return any("dynamic dimensions" in n for n in gm.trace_info.notes)  # type: ignore[attr-defined]
+    return any("dynamic dimensions" in n for n in _notes(gm))
 
 
 def route_call(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module | None:
@@ -70,7 +76,7 @@ def route_call(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                                **options)
         store[sig if _dynamic(other) else shaped] = other
         names = sorted(kwargs) if kwargs else [f"{len(args)} positional"]
-        gm.trace_info.notes.append(  # type: ignore[attr-defined]
+        _notes(gm).append(
             f"export: captured again for a call with another signature ({', '.join(names)}); "
             f"{len(store) - 1} extra capture(s), reported by fxdebug.recapture.captures(dbg)")
     return other

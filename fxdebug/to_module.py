@@ -37,7 +37,7 @@ __all__ = ["to_module"]
 NAMESPACE = "fxdebug"
 
 
-def to_module(dbg: nn.Module, shrink: bool = False) -> nn.Module:
+def to_module(dbg: Any, shrink: bool = False) -> nn.Module:
     """A plain, shippable module computing what ``dbg``'s transforms compute (see the module doc)."""
     parts = dbg.parts() if hasattr(dbg, "parts") else {"": dbg}
     if list(parts) == [""]:
@@ -79,6 +79,7 @@ def _plain(gm: GraphModule) -> GraphModule:
         target = str(node.target)
         value = modules.get(target) if node.op == "call_module" else _attr(src, target)
         if node.op == "call_module":
+            assert value is not None, f"call_module target {target} is not a submodule"
             value = _shippable(value)
         new = target
         if target.startswith(f"{NAMESPACE}."):
@@ -124,7 +125,7 @@ def _drop_instrumentation(graph: Graph) -> None:
             continue
         watched = node.args[0] if node.args and isinstance(node.args[0], Node) else None
         if node.users:
-            node.replace_all_uses_with(watched)  # type: ignore[arg-type]
+            node.replace_all_uses_with(watched)
         graph.erase_node(node)
 
 
@@ -184,10 +185,11 @@ def _shippable(module: nn.Module) -> nn.Module:
     """A graph mask baked into a plain copy of its layer; derived copies without fxdebug's hooks."""
     masks = getattr(module, "names", None) if type(module).__name__ == "Masked" else None
     if masks is not None:
-        layer = copy.deepcopy(module.layer)
+        layer: nn.Module = copy.deepcopy(getattr(module, "layer"))
+        mask = getattr(module, "mask")
         for name in masks:
             old = getattr(layer, name)
-            setattr(layer, name, nn.Parameter((old * module.mask(name)).detach(), requires_grad=old.requires_grad))
+            setattr(layer, name, nn.Parameter((old * mask(name)).detach(), requires_grad=old.requires_grad))
         module = layer
     for m in module.modules():
         m._state_dict_hooks.clear()
