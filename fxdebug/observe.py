@@ -231,6 +231,9 @@ class Clock(nn.Module):
             if self._host_calls:
                 self.table[0] = self._host_calls - 1
         elif self.table.device != torch.device(device):
+            if self.table.device.type == "meta":  # statistics kept on 'meta' hold no data: start afresh
+                self.table = None
+                return self.materialize(device)
             self.table = self.table.to(device)
         return self.table
 

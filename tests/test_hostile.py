@@ -138,7 +138,8 @@ def test_instrumenting_an_instrumented_module_composes() -> None:
     model = mlp()
     first = fxdebug.instrument(model, passes=[StatCollector()], example_inputs=(X,))
     second = fxdebug.instrument(first, passes=[StatCollector(), NaNCheck()], example_inputs=(X,))
-    watched = [n.args[0].name for n in second.graph.nodes if fxdebug.fx_meta(n).get("role") == "instrumentation"]
+    watched = [a.name for n in second.graph.nodes if fxdebug.fx_meta(n).get("role") == "instrumentation"
+               for a in (n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]])]  # batched calls hold several
     assert len(watched) == len(set(watched)) == len(second.observers())  # one observer per node
     assert all(sorted(o.probes) == ["nan-check", "stats"] for k, o in second.observers().items() if k in first.observers())
     assert second.get_submodule("0") is model[0]  # still the model's own layers

@@ -20,6 +20,7 @@ median of ``--runs`` interleaved calls) and given as min / median / max over ``-
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import time
@@ -151,13 +152,21 @@ def compiled(model: nn.Module, inst: nn.Module, x: tuple[Any, ...], args: argpar
     out: dict[str, Any] = {"breaks": (count_graph_breaks(model, x), count_graph_breaks(inst, x))}
     saved = inductor_config.fx_graph_cache, getattr(inductor_config, "autotune_local_cache", None)
     inductor_config.fx_graph_cache = False  # cold compiles for both, so the times compare
+    def too_long(*_: Any) -> None:
+        raise TimeoutError(f"compile took over {args.compile_timeout} s")
+
+    old_handler = signal.signal(signal.SIGALRM, too_long)
     try:
+        signal.alarm(args.compile_timeout)
         fn_plain, out["compile_s_plain"] = _cold_compile(model, x)
         fn_inst, out["compile_s_fxdebug"] = _cold_compile(inst, x)
+        signal.alarm(0)
         out["compiled"] = _spread({"plain": fn_plain, "fxdebug": fn_inst}, args, "plain")
     except Exception as exc:  # noqa: BLE001 - the table says what failed instead of dying
-        out["compiled_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+        out["compiled_error"] = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
     finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old_handler)
         inductor_config.fx_graph_cache = saved[0]
         torch._dynamo.reset()
     return out
@@ -210,7 +219,8 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, machine: str, s
             c = r.get("compiled")
             lines.append("| " + " | ".join([
                 r["model"], _mmm(c["plain"], "{:.2f}") if c else r.get("compiled_error", "–"), _mmm(c["fxdebug"]) if c else "–",
-                f"{r.get('compile_s_plain', float('nan')):.1f}", f"{r.get('compile_s_fxdebug', float('nan')):.1f}",
+                f"{r.get('compile_s_plain', float('nan')):.1f}", f"{r.get('compile_s_fxdebug', float('nan')):.1f}"
+                + (f" ({r['compile_s_fxdebug'] / r['compile_s_plain']:.2f}×)" if "compile_s_fxdebug" in r else ""),
                 "{} / {}".format(*r["breaks"])]) + " |")
         out += ["## torch.compile (inductor, caches off for the compile times)", "", *lines, ""]
     head = ["model", "plain peak MiB", "fxdebug peak MiB", "ratio"]
@@ -261,6 +271,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="also torch.compile (cold compiles: minutes)")
+    p.add_argument("--compile-timeout", type=int, default=900, help="seconds for both cold compiles of one model")
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="time calls by this process's CPU time (default; robust on a loaded machine) or wall clock")
