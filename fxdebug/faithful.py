@@ -299,17 +299,14 @@ def _targets() -> list[tuple[Any, str, Any]]:
 
 def _install() -> None:
     for owner, name, replacement in _targets():
-        _ORIGINALS[(owner, name)] = owner.__dict__.get(name, _MISSING)
+        # kept after uninstalling: a patched __exit__ another thread entered before may still run
+        _ORIGINALS.setdefault((owner, name), owner.__dict__[name])
         setattr(owner, name, replacement)
 
 
 def _uninstall() -> None:
     for (owner, name), original in _ORIGINALS.items():
-        if original is _MISSING:
-            delattr(owner, name)  # nn.Module has no __getattribute__ of its own: object's serves again
-        else:
-            setattr(owner, name, original)
-    _ORIGINALS.clear()
+        setattr(owner, name, original)
 
 
 def _original(owner: Any, name: str) -> Any:
@@ -441,7 +438,9 @@ def _watched_class(cls: type, names: frozenset[str]) -> type:
         def prop(name: str) -> property:
             def get(self: nn.Module) -> Any:
                 value = self.__dict__[name]
-                _ACTIVE.reads.setdefault((id(self), name), (self, value))
+                reads = getattr(_ACTIVE, "reads", None)  # None in other threads running the model meanwhile
+                if reads is not None and getattr(_ACTIVE, "modules", None) is not None:
+                    reads.setdefault((id(self), name), (self, value))
                 return value
 
             def set_(self: nn.Module, value: Any) -> None:

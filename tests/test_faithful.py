@@ -469,3 +469,4 @@ def test_inference_mode_region_symbolic() -> None:
     dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="symbolic")
     assert_same_step(dbg, twin(model), x)
     assert model.b.weight.grad is None and model.a.weight.grad is not None
+
