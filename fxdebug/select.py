@@ -19,7 +19,15 @@ def _match_one(pattern: str, node: Node) -> bool:
     if fnmatch.fnmatchcase(node.name, pattern) or fnmatch.fnmatchcase(path, pattern):
         return True
     # A plain module path selects everything inside that module too: "layer1" ⊇ "layer1.0.conv1".
-    return bool(path) and path.startswith(pattern + ".")
+    if path and path.startswith(pattern + "."):
+        return True
+    # A part captured per subtree knows its path in the model: "backbone.body.*" selects its nodes too.
+    owner = node.graph.owning_module
+    root = owner.__dict__.get("_fxdebug_root_path") if owner is not None else None
+    if not root:
+        return False
+    full = f"{root}.{path}" if path else root
+    return fnmatch.fnmatchcase(full, pattern) or full.startswith(pattern + ".") or full == pattern
 
 
 def matches(where: Where, node: Node) -> bool:

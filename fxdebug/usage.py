@@ -72,7 +72,8 @@ def check_where_matched(passes: Sequence[Any], parts: Mapping[str, GraphModule])
         where = getattr(p, "where", None)
         if where is None or any(where_matches(where, part) for part in parts.values()):
             continue
-        paths = sorted({module_path(n) for part in parts.values() for n in part.graph.nodes if module_path(n)})
+        paths = sorted({".".join(x for x in (path, module_path(n)) if x) for path, part in parts.items()
+                        for n in part.graph.nodes if module_path(n) or path})
         shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
         raise UsageError(
             f"pass '{getattr(p, 'name', type(p).__name__)}': where={where!r} matches no node, so the pass would do "

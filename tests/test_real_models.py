@@ -77,3 +77,12 @@ def test_swin3d_wrapped_helper_may_mutate_its_list_arguments():
                and getattr(n.target, "__name__", "") == "_get_window_and_shift_size"]
     assert len(helpers) == 2
     assert any(r["module"] == "features.0.1.attn" for r in dbg.report().rows)
+
+
+def test_where_names_root_paths_inside_captured_parts():
+    model, (images,) = detector()
+    dbg = fxdebug.instrument(model, [StatCollector(where="backbone.body.*")], example_inputs=(images,))
+    observed = list(dbg.observers())
+    assert observed and all(name.startswith("backbone/") for name in observed)
+    with torch.no_grad():
+        _same_detections(dbg(images), model(images))

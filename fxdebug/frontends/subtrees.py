@@ -194,6 +194,7 @@ def _select(model: nn.Module, seen: dict[str, _Calls],
         gm, how = _capture_one(module, rec, relative)
         if gm is not None:
             captured[path] = (gm, how)
+            gm.__dict__["_fxdebug_root_path"] = path  # where= patterns name root paths (select.matches)
             return
         eager[path] = how
         for name, child in children:
