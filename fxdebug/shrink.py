@@ -185,7 +185,8 @@ class _Shrinker:
         return self.keep.get(node.args[0]) if isinstance(node.args[0], Node) else None
 
     def channel_passthrough(self, node: Node) -> Keep | None:
-        have = self.keep.get(node.args[0])
+        first = node.args[0]
+        have = self.keep.get(first) if isinstance(first, Node) else None
         if have is None or have.dim != 1:
             self.full_inputs(node)
             return None
@@ -238,14 +239,14 @@ class _Shrinker:
 
     def cat(self, node: Node) -> Keep | None:
         parts = node.args[0]
-        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-        dim = self.norm_dim(node, dim)
+        given: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        dim = self.norm_dim(node, given)
         if not isinstance(parts, (list, tuple)) or dim is None or not all(isinstance(p, Node) for p in parts):
             self.full_inputs(node)
             return None
         idx: list[int] = []
         offset = 0
-        for p in parts:
+        for p in (q for q in parts if isinstance(q, Node)):
             k = self.keep.get(p)
             n = self.size(p, dim)
             if n is None or (k is not None and k.dim != dim):
@@ -259,6 +260,9 @@ class _Shrinker:
         x = node.args[0]
         start = node.args[1] if len(node.args) > 1 else node.kwargs.get("start_dim", 0)
         end = node.args[2] if len(node.args) > 2 else node.kwargs.get("end_dim", -1)
+        if not isinstance(x, Node):
+            self.full_inputs(node)
+            return None
         have = self.keep.get(x)
         shape = fx_meta(x).get("shape")
         if have is None or shape is None or start != 1 or end not in (-1, len(shape) - 1) or have.dim != 1:
@@ -288,7 +292,7 @@ class _Shrinker:
             self.full_inputs(node)
         return None
 
-    def conv(self, node: Node, mod: nn.Module, have: Keep | None) -> Keep | None:
+    def conv(self, node: Node, mod: Any, have: Keep | None) -> Keep | None:
         out_dim = 1
         if have is not None and have.dim != 1:
             self.full_inputs(node)
@@ -335,7 +339,7 @@ def _in_place(node: Node) -> bool:
     return name.endswith("_") or node.target in (operator.iadd, operator.imul)
 
 
-def _alive_rows(mod: nn.Module) -> tuple[int, ...] | None:
+def _alive_rows(mod: Any) -> tuple[int, ...] | None:
     """Output channels with any non-zero weight or bias; ``None`` when none is dead."""
     w = mod.weight.detach().reshape(mod.weight.shape[0], -1)
     dead = (w == 0).all(1)
