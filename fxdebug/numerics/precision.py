@@ -8,9 +8,10 @@ so the rest of the model runs exactly as before.
 
 ``precision_plan`` measures before it guesses: one ``Shadow`` run of the model in the target dtype
 gives each node's error growth (``err_growth``); nodes are tried from the largest growth down,
-each grown toward its inputs until keeping the region in fp32 actually brings the output error
-down (a cancellation is fixed only by keeping its operands' producers wide too, since the
-subtraction itself is exact); every candidate is verified by running the model, and the final set
+each grown one level at a time toward its inputs and its users until keeping the region in fp32
+actually brings the output error down (a cancellation is fixed only by keeping its operands'
+producers wide too, since the subtraction itself is exact; an fp16 overflow only by keeping the
+values wide until they are small again, past the softmax); every candidate is verified by running the model, and the final set
 is pruned node by node while the error stays under ``tol``. The search runs one instrumented copy
 whose ``KeepFloat`` nodes are switched on and off, so each try costs one forward call.
 
@@ -37,7 +38,7 @@ from torch.utils import _pytree as pytree
 from ..context import PassContext
 from ..errors import MissingInputsError, UsageError
 from ..meta import fx_meta, is_instrumentation, module_path, op_label
-from .tensors import device_of, float_leaves, no_autocast, rel_error, tree_cast
+from .tensors import _leaves, _map, device_of, no_autocast, rel_error, tree_cast
 
 __all__ = ["KeepFloat", "PrecisionPlan", "cast_back", "keep_float", "precision_plan"]
 
@@ -45,17 +46,23 @@ _CALLS = ("call_function", "call_method", "call_module")
 
 
 def _leaf_dtypes(value: Any) -> list[torch.dtype | None]:
-    return [t.dtype if isinstance(t, Tensor) and t.is_floating_point() else None for t in pytree.tree_leaves(value)]
+    """The dtype of each tensor inside ``value`` (``None`` for non-floating ones), in order."""
+    return [t.dtype if t.is_floating_point() else None for t in _leaves(value, [])]
 
 
 def _to_dtypes(value: Any, dtypes: Sequence[torch.dtype | None]) -> Any:
-    """Cast each floating leaf of ``value`` to its recorded dtype (leaves without one unchanged)."""
-    leaves, spec = pytree.tree_flatten(value)
-    if len(leaves) != len(dtypes):
-        return value
-    out = [t.to(d) if isinstance(t, Tensor) and d is not None and t.is_floating_point() and t.dtype != d else t
-           for t, d in zip(leaves, dtypes)]
-    return pytree.tree_unflatten(out, spec)
+    """Cast each floating tensor of ``value`` to its recorded dtype (the i-th tensor to
+    ``dtypes[i]``; ``None`` leaves it alone). Unchanged when the tensor count differs."""
+    seen = [0]
+
+    def cast(t: Tensor) -> Tensor:
+        i = seen[0]
+        seen[0] += 1
+        d = dtypes[i] if i < len(dtypes) else None
+        return t.to(d) if d is not None and t.is_floating_point() and t.dtype != d else t
+
+    out = _map(cast, value)
+    return out if seen[0] == len(dtypes) else value
 
 
 def cast_back(value: Any, dtypes: tuple[torch.dtype | None, ...]) -> Any:
@@ -166,8 +173,9 @@ def _spec_probe(ctx: PassContext, a: Any) -> Any:
 
 
 def _fake(spec: Any) -> Any:
+    """An empty tensor of a ``TensorSpec``'s dtype (so tensor positions line up with the run)."""
     dtype = getattr(spec, "dtype", None)
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    if isinstance(dtype, torch.dtype) and hasattr(spec, "shape"):
         return torch.empty(0, dtype=dtype)
     return None
 
@@ -226,11 +234,13 @@ def _inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def precision_plan(model: nn.Module, example_inputs: Any, dtype: torch.dtype = torch.bfloat16, tol: float = 1e-2,
-                   *, max_nodes: int | None = None) -> PrecisionPlan:
+                   *, max_nodes: int | None = None, max_runs: int = 300) -> PrecisionPlan:
     """Find a small set of nodes that must stay in fp32 for ``model`` run in ``dtype`` to keep its
     output within relative error ``tol`` (see the module docstring for how).
 
-    ``model`` is not changed (a copy is converted). ``max_nodes`` caps the plan's size.
+    ``model`` is not changed (a copy is converted). ``max_nodes`` caps the plan's size;
+    ``max_runs`` the number of verifying forward calls the search may make (then the best set
+    found so far is returned).
     """
     from ..api import instrument
     from ..inputs import Inputs
@@ -278,17 +288,20 @@ def precision_plan(model: nn.Module, example_inputs: Any, dtype: torch.dtype = t
     current = before = err(plan)
     order = sorted((n for n in keeps if growth.get(n, 0.0) > 1.0), key=lambda n: -growth[n])
     for start in order:
-        if current <= tol or (max_nodes is not None and len(plan) >= max_nodes):
+        if current <= tol or (max_nodes is not None and len(plan) >= max_nodes) or runs >= max_runs:
             break
         if start in plan:
             continue
         region = {start}
         while True:
             e = err(plan | region)
-            if e <= tol or e < 0.5 * current:
+            if e <= tol or e < 0.5 * current or runs >= max_runs:
                 break
-            frontier = {p.name for r in region for p in by_name[r].all_input_nodes
-                        if p.name in keeps and p.name not in plan and p.name not in region}
+            # toward the inputs (a cancellation needs its operands wide) and the users (an
+            # overflow needs the values kept wide until they are small again, e.g. past a softmax)
+            near = [p for r in region for p in by_name[r].all_input_nodes] + \
+                   [u for r in region for u in by_name[r].users]
+            frontier = {p.name for p in near if p.name in keeps and p.name not in plan and p.name not in region}
             if not frontier:
                 break
             region |= frontier
@@ -297,6 +310,8 @@ def precision_plan(model: nn.Module, example_inputs: Any, dtype: torch.dtype = t
             current = e
     if current <= tol:  # prune: drop nodes (least growth first) while the error stays under tol
         for name in sorted(plan, key=lambda n: growth.get(n, 0.0)):
+            if runs >= max_runs + len(keeps):
+                break
             e = err(plan - {name})
             if e <= tol:
                 plan.discard(name)
