@@ -121,3 +121,14 @@ def test_in_place_ops_are_never_planned():
     inplace = {n.name for n in graph.nodes if n.op != "placeholder" and fxdebug.is_inplace(n)}
     assert inplace and not inplace & set(plan.nodes)
     assert plan.error_after <= plan.error_before
+
+
+def test_fp16_overflow_plan_keeps_exp_and_what_reads_it():
+    model, (x,) = naive_attention()
+    plan = fxdebug.precision_plan(model, (x,), dtype=torch.float16, tol=1e-2)
+    assert plan.error_before == float("inf")  # exp overflows in fp16, the divide makes NaN
+    assert plan.error_after <= 1e-2
+    assert {"exp", "sum_1", "truediv"} <= set(plan.nodes)  # wide until the values are small again
+    half, xh = copy.deepcopy(model).half(), x.half()
+    out = fxdebug.instrument(half, [Precision(plan)], example_inputs=(xh,))(xh)
+    assert torch.isfinite(out).all() and not torch.isfinite(half(xh)).all()
