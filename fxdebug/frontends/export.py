@@ -147,16 +147,17 @@ def _export_with(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 return torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic)
         except Exception as exc:
             match = _UNKNOWN_TYPE.search(str(exc))
-            cls = _find_class(match.group(1)) if match else None
-            if cls is not None and match.group(1) not in registered and _register_cache(cls):
-                registered.add(match.group(1))
+            found = match.group(1) if match else ""
+            cls = _find_class(found) if match else None
+            if cls is not None and found not in registered and _register_cache(cls):
+                registered.add(found)
                 notes.append(f"registered transformers' {cls.__qualname__} with torch's pytree: the KV cache goes "
                              "in and out of the graph as the model's own Cache object")
                 continue
-            if cls is None or not dataclasses.is_dataclass(cls) or match.group(1) in registered:
+            if cls is None or not dataclasses.is_dataclass(cls) or found in registered:
                 raise
             torch.export.register_dataclass(cls)
-            registered.add(match.group(1))
+            registered.add(found)
             notes.append(f"registered the output dataclass {cls.__qualname__} with torch's pytree so "
                          "the graph can rebuild it")
 
@@ -258,7 +259,8 @@ def _replace_guards(graph: Graph, space: nn.Module) -> None:
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn":
             graph.erase_node(node)
-    names, shapes = [], []
+    names: list[str] = []
+    shapes: list[tuple[int | None, ...] | None] = []
     for ph in placeholders:
         val = ph.meta.get("val")
         names.append(ph.name)
