@@ -195,11 +195,12 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, machine: str, s
                                         f"{r['per_node_us']:.1f}"]) + " |")
     ratios = [r["fwd"]["fxdebug"][1] for r in rows if r["model"] != "graph-2000"]
     hooks = [r["fwd"]["hooks_item"][1] for r in rows if r["model"] != "graph-2000"]
-    out += ["## Forward, no_grad (ratio to plain)", "", *lines, "",
-            f"Median over the {len(ratios)} real architectures: fxdebug **{statistics.median(ratios):.2f}×**, "
-            f"seed-style hooks {statistics.median(hooks):.2f}×; fxdebug below the hooks on "
-            f"{sum(1 for r in rows if r['model'] != 'graph-2000' and r['fwd']['fxdebug'][1] < r['fwd']['hooks_item'][1])}"
-            f" of {len(ratios)}.", ""]
+    out += ["## Forward, no_grad (ratio to plain)", "", *lines, ""]
+    if ratios:
+        out += [f"Median over the {len(ratios)} real architectures: fxdebug **{statistics.median(ratios):.2f}×**, "
+                f"seed-style hooks {statistics.median(hooks):.2f}×; fxdebug below the hooks on "
+                f"{sum(1 for r in rows if r['model'] != 'graph-2000' and r['fwd']['fxdebug'][1] < r['fwd']['hooks_item'][1])}"
+                f" of {len(ratios)}.", ""]
     if any("fwd_bwd" in r for r in rows):
         head = ["model", "plain fwd+bwd ms", "hooks .item()", "fxdebug grads"]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -208,8 +209,9 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, machine: str, s
                 f = r["fwd_bwd"]
                 lines.append(f"| {r['model']} | {_mmm(f['plain'], '{:.1f}')} | {_mmm(f['hooks_item'])} | {_mmm(f['fxdebug'])} |")
         fb = [r["fwd_bwd"]["fxdebug"][1] for r in rows if "fwd_bwd" in r and r["model"] != "graph-2000"]
-        out += ["## Forward + backward, gradient statistics (ratio to plain forward + backward)", "", *lines, "",
-                f"Median over the real architectures: **{statistics.median(fb):.2f}×**.", ""]
+        out += ["## Forward + backward, gradient statistics (ratio to plain forward + backward)", "", *lines, ""]
+        if fb:
+            out += [f"Median over the real architectures: **{statistics.median(fb):.2f}×**.", ""]
     comp = [r for r in rows if "compiled" in r or "compiled_error" in r]
     if comp:
         head = ["model", "compiled plain ms", "fxdebug / compiled plain", "cold compile s plain", "cold compile s fxdebug",
@@ -256,6 +258,7 @@ def run(args: argparse.Namespace, machine: Callable[[], str]) -> str:
         t0 = time.perf_counter()
         rows.append(measure(name, args))
         print(f"[bench] {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        Path(args.out).write_text(render(rows, args, machine(), {"(partial)": f"{len(rows)} of {len(names)} models"}) + "\n")
     text = render(rows, args, machine(), graph_scale())
     print(text)
     Path(args.out).write_text(text + "\n")
