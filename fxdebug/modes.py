@@ -50,6 +50,7 @@ class Capture:
     graph: Graph
     space: nn.Module | None
     meta: Any
+    base: str | None = None  # the captured graph's code before any pass ran (symbolic: reuse across modes)
 
 
 @dataclass
@@ -110,10 +111,14 @@ def _descendants(model: nn.Module) -> list[nn.Module]:
     return [m for name, m in model.named_modules() if name]
 
 
-def _install_recipe(gm: Any, rec: Recipe) -> None:
+def _code(graph: Graph) -> str:
+    return graph.python_code("self").src
+
+
+def _install_recipe(gm: Any, rec: Recipe, base: str | None = None) -> None:
     meta = gm.meta.get("fxdebug", {})
     rec.current = Capture(mode_key(gm.training, rec.modules), _guards_of(meta, rec.model), gm.graph,
-                          gm._modules.get(NAMESPACE), meta)
+                          gm._modules.get(NAMESPACE), meta, base)
     rec.captures = [rec.current]
     object.__setattr__(gm, _ATTR, rec)
 
@@ -132,7 +137,11 @@ def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
     previous = recipe(gm)
     rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model), instrument)
     if top:
-        _install_recipe(gm, rec)
+        if previous is not None and previous.current is not None and previous.current.graph is gm.graph:
+            base = previous.current.base  # instrument(): trace() saw this graph before the passes
+        else:
+            base = _code(gm.graph) if not passes and inner is None else None
+        _install_recipe(gm, rec, base)
         return
     rec.part_inputs = dict(previous.part_inputs) if previous is not None else {}
     known = rec.part_inputs
@@ -203,16 +212,35 @@ def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
     object.__setattr__(shell, "training", flags[0])
     was = "training" if before.flags[0] else "eval"
     now = "training" if flags[0] else "eval"
+    reused: Capture | None = None
+    base = None
     try:
         with torch.enable_grad(), torch.autocast("cpu", enabled=False), _no_cuda_autocast():
-            new = instrument(shell, rec.passes, rec.inputs, frontend=rec.frontend, **rec.options)
+            if rec.frontend == "symbolic" and any(c.base for c in rec.captures):
+                # symbolic tracing is cheap: trace first, and keep one graph (and its statistics) for
+                # every set of modes that traces to the same code
+                new = instrument(shell, [], rec.inputs, frontend="symbolic", **rec.options)
+                base = _code(new.graph)
+                reused = next((c for c in rec.captures if c.base == base), None)
+                if reused is None and rec.passes:
+                    new = instrument(new, rec.passes, rec.inputs)
+            else:
+                new = instrument(shell, rec.passes, rec.inputs, frontend=rec.frontend, **rec.options)
     except Exception as exc:
         raise TraceError(
             f"{type(rec.model).__name__} was captured in {was} mode and is now called in {now} mode; capturing "
             f"it again for the new modes failed: {getattr(exc, 'message', str(exc))}. Instrument the model in "
             "the mode you run it in.", module="", op=type(rec.model).__name__) from exc
+    if reused is not None:
+        note = (f"modes: called in {now} mode; {rec.frontend} traces the same graph as for the modes before, "
+                "so one graph and its statistics serve both: it does not depend on the training flag")
+        info = reused.meta.get("trace") if hasattr(reused.meta, "get") else None
+        if info is not None and note not in info.notes:
+            info.notes.append(note)
+        return Capture(flags, _guards_of(new.meta.get("fxdebug", {}), rec.model), reused.graph, reused.space,
+                       reused.meta, base)
     meta = new.meta.get("fxdebug", {})
-    same = new.graph.python_code("self").src == gm.graph.python_code("self").src
+    same = _code(new.graph) == _code(gm.graph)
     changed = sum(a != b for a, b in zip(before.flags, flags))
     attrs = [f"{_path(rec.model, m)}.{n}".lstrip(".") for m, n, v in before.guards if not _holds([(m, n, v)])]
     why = f"{changed} module flag(s) changed" + (f"; attributes changed: {', '.join(attrs)}" if attrs else "")
@@ -224,7 +252,11 @@ def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
         info = record.get("trace") if hasattr(record, "get") else None
         if info is not None and note not in info.notes:
             info.notes.append(note)
-    return Capture(flags, _guards_of(meta, rec.model), new.graph, new._modules.get(NAMESPACE), meta)
+    if rec.passes and any(not getattr(p, "observe_only", False) for p in rec.passes):
+        note2 = "modes: the transform passes ran again on the new graph (their decisions may differ from the first run)"
+        if note2 not in getattr(meta.get("trace"), "notes", [note2]):
+            meta.get("trace").notes.append(note2)
+    return Capture(flags, _guards_of(meta, rec.model), new.graph, new._modules.get(NAMESPACE), meta, base)
 
 
 def _path(model: nn.Module, module: nn.Module) -> str:

@@ -470,3 +470,16 @@ def test_inference_mode_region_symbolic() -> None:
     assert_same_step(dbg, twin(model), x)
     assert model.b.weight.grad is None and model.a.weight.grad is not None
 
+
+
+def test_a_graph_that_does_not_depend_on_the_mode_is_kept_with_its_statistics() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.ReLU()).eval()
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="symbolic")
+    graph = dbg.graph
+    dbg(x)
+    dbg.train()
+    ref = twin(model).train()
+    assert_same_step(dbg, ref, x, seed=5)  # dropout (a module) runs in training mode
+    assert dbg.graph is graph and dbg.report().calls == 2
+    assert any("one graph and its statistics serve both" in n for n in dbg.report().notes)
