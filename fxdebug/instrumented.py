@@ -29,7 +29,9 @@ from torch.fx import Graph, GraphModule
 
 from .context import NAMESPACE, PassContext
 from .diagnose import locate_failure, op_failure
-from .errors import FxDebugError
+from .eager_origin import explain_eager_origin
+from .errors import ArgumentTypeError, FxDebugError
+from .face import model_attribute
 from .meta import KEY, GraphRecord, graph_record
 from .modes import ensure_mode, follow_mode
 from .recapture import route_call
@@ -39,6 +41,7 @@ from .render import render as draw
 from .distributed import merged_report
 from .report import Report, build_report, merge_reports
 from .serialize import deserialize_graph, encode_pytree_info, serialize_graph
+from .to_module import to_module as plain_module
 from .tracing import TraceInfo
 
 __all__ = ["Instrumented"]
@@ -98,9 +101,7 @@ class Instrumented(GraphModule):
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
-        except AttributeError:
-            from .face import model_attribute  # the model's own methods/attributes (generate, config)
-
+        except AttributeError:  # the model's own methods and attributes (generate, config)
             return model_attribute(self, name)
 
     # -- what fxdebug knows -----------------------------------------------------------------------
@@ -183,12 +184,10 @@ class Instrumented(GraphModule):
         if all_ranks:
             return merged_report(self, **options)
         if options:
-            raise TypeError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
+            raise ArgumentTypeError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
         reports = {path: part._part_report() for path, part in self.parts().items()}
         merged = merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
-        from .eager_origin import explain_eager_origin  # a NaN made between captured parts
-
-        return explain_eager_origin(self, merged)
+        return explain_eager_origin(self, merged)  # a NaN made between captured parts
 
     def reset(self) -> None:
         """Forget every statistic collected so far."""
@@ -208,9 +207,7 @@ class Instrumented(GraphModule):
 
         ``shrink=True`` also removes pruned channels physically (``fxdebug.shrink``).
         """
-        from .to_module import to_module
-
-        return to_module(self, shrink=shrink)
+        return plain_module(self, shrink=shrink)
 
     def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
         """Draw the annotated graph to ``path`` (SVG); see ``fxdebug.render``."""
