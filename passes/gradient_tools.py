@@ -69,6 +69,10 @@ class GradientScale(fxdebug.Pass):
     values leave it: ``where=fxdebug.outputs_of("layer2")`` is the module's output, and a plain
     ``where="layer2"`` (every op inside) is scaled once at the block's exit(s), not once per op.
 
+    Gradient statistics of the selected node itself (``StatCollector(grads=True)``) may show the
+    gradient before or after scaling, depending on which pass inserted its node first; the nodes
+    before it always see the scaled gradient.
+
     ``factor`` and ``enabled`` can be changed after instrumenting (the pass object is the switch)::
 
         rev = GradientScale(fxdebug.outputs_of("features"), -1.0)
