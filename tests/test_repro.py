@@ -140,3 +140,27 @@ def test_fp16_attention_overflow_in_tiny_gpt2(tmp_path):
     assert rep.node == origin and rep.reproduced
     done = _run_script(rep.path)
     assert done.returncode == 1 and "Inf" in done.stdout
+
+
+class NormAfterView(nn.Module):
+    """A batch-norm (traced by recording its ops) fed by an op inside the grown subgraph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        h = x.expand(3, 4)
+        y = self.bn(h)
+        h.add_(y)  # fails only on the expanded view: the subgraph grows to expand and the batch-norm
+        return h
+
+
+def test_grown_subgraph_with_a_recorded_module(tmp_path):
+    model = NormAfterView().eval()
+    dbg = fxdebug.trace(model)
+    rep = fxdebug.repro(dbg, (torch.rand(1, 4),), tmp_path / "view.py")
+    assert rep.node == "add_" and rep.nodes == ["expand", "bn", "add_"] and rep.reproduced
+    assert "batch_norm" in rep.path.read_text()
+    done = _run_script(rep.path)
+    assert done.returncode == 1 and "memory location" in done.stdout

@@ -82,6 +82,7 @@ class _Runner(Interpreter):
         self.failure: _Failure | None = None
         self.subgraph = subgraph
         self.captured: dict[Node, Any] = {}
+        self.outputs: dict[Node, Any] = {}  # values the subgraph's own nodes produced (for recording modules)
 
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
         if str(target).startswith("*"):
@@ -106,6 +107,8 @@ class _Runner(Interpreter):
             if self.subgraph is None and inputs_finite and _nonfinite(value):
                 self.failure = _Failure(n, "nonfinite", _describe_bad(value) + " from finite inputs")
                 raise _Stop()
+            if self.subgraph is not None and n in self.subgraph:
+                self.outputs[n] = _clone(value)
             return value
         return super().run_node(n)
 
@@ -145,12 +148,12 @@ class _DeepTracer(fx.Tracer):
 
 
 def _inline_module(g: fx.Graph, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                   tensors: list[tuple[str, Tensor]], label: str) -> Any:
+                   tensors: list[tuple[str, Tensor]], label: str, known: dict[Node, Any] | None = None) -> Any:
     """Emit ``module(*args, **kwargs)`` into ``g`` as the torch ops it is made of."""
     try:
         sub = _DeepTracer().trace(module)
     except Exception as exc:  # control flow on shapes (batch-norm, RNNs): record the aten ops it runs instead
-        return _inline_recorded(g, module, args, kwargs, tensors, label, exc)
+        return _inline_recorded(g, module, args, kwargs, tensors, label, exc, known or {})
     env: dict[Node, Any] = {}
     params = [p for p in sub.nodes if p.op == "placeholder"]
     bound = list(args)
@@ -182,12 +185,13 @@ def _inline_module(g: fx.Graph, module: nn.Module, args: tuple[Any, ...], kwargs
 
 
 def _inline_recorded(g: fx.Graph, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     tensors: list[tuple[str, Tensor]], label: str, why: BaseException) -> Any:
+                     tensors: list[tuple[str, Tensor]], label: str, why: BaseException,
+                     known: dict[Node, Any]) -> Any:
     """``module(*args)`` as the aten ops it runs on the captured values (``make_fx``), its
     parameters and buffers passed in as tensors."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    values = {n: v for n, v in _captured_values(g, tensors).items()}
+    values: dict[Node, Any] = {**_captured_values(g, tensors), **known}
     state: dict[str, Tensor] = {k: v for k, v in module.named_parameters(remove_duplicate=False)}
     state.update(dict(module.named_buffers(remove_duplicate=False)))
     names = list(state)
@@ -265,10 +269,12 @@ def _tensor_input(g: fx.Graph, tensors: list[tuple[str, Tensor]], label: str, va
     return ph
 
 
-def _build(gm: GraphModule, subgraph: list[Node], captured: dict[Node, Any], target: Node) -> tuple[fx.Graph, list[tuple[str, Tensor]]]:
+def _build(gm: GraphModule, subgraph: list[Node], captured: dict[Node, Any], target: Node,
+           outputs: dict[Node, Any] | None = None) -> tuple[fx.Graph, list[tuple[str, Tensor]]]:
     g = fx.Graph()
     tensors: list[tuple[str, Tensor]] = []
     env: dict[Node, Any] = {}
+    known: dict[Node, Any] = {}  # new-graph node -> the value it had in the real run
     for a, value in captured.items():
         if isinstance(value, Tensor):
             env[a] = _tensor_input(g, tensors, a.name, value)
@@ -283,11 +289,13 @@ def _build(gm: GraphModule, subgraph: list[Node], captured: dict[Node, Any], tar
             module = gm.get_submodule(str(n.target))
             args = fx.node.map_arg(n.args, lambda a: env[a])
             kwargs = fx.node.map_arg(n.kwargs, lambda a: env[a])
-            env[n] = _inline_module(g, module, tuple(args), dict(kwargs), tensors, module_path(n) or n.name)
+            env[n] = _inline_module(g, module, tuple(args), dict(kwargs), tensors, module_path(n) or n.name, known)
         elif n.op == "get_attr":
             env[n] = _tensor_input(g, tensors, n.name, _attr(gm, str(n.target)))
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
+        if isinstance(env[n], Node) and outputs is not None and n in outputs:
+            known[env[n]] = outputs[n]
     g.output(env[target])
     return g, tensors
 
@@ -439,8 +447,10 @@ def repro(dbg: GraphModule, inputs: Any, path: str | Path) -> Repro:
     nodes: list[Node] = []
     for _ in range(_MAX_GROW):
         nodes = sorted(chosen, key=order.__getitem__)
-        captured = _run(dbg, values, chosen).captured
-        g, tensors = _build(dbg, nodes, {a: captured[a] for a in sorted(captured, key=order.__getitem__)}, failure.node)
+        rerun = _run(dbg, values, chosen)
+        captured = rerun.captured
+        g, tensors = _build(dbg, nodes, {a: captured[a] for a in sorted(captured, key=order.__getitem__)}, failure.node,
+                            rerun.outputs)
         text = _write(path, failure, nodes, g, tensors)
         result = _check(path, text)
         if result[0]:
