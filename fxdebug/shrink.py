@@ -387,8 +387,11 @@ def shrink(gm: GraphModule) -> GraphModule:
     on inputs of the recorded shapes (it is then left unchanged).
     """
     import copy
+    import warnings
 
-    original = copy.deepcopy(gm)
+    with warnings.catch_warnings():  # an export graph's TreeSpecs trip torch's LeafSpec deprecation on copy
+        warnings.simplefilter("ignore", FutureWarning)
+        original = copy.deepcopy(gm)
     shrinker = _Shrinker(gm)
     try:
         for node in list(gm.graph.nodes):

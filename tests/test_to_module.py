@@ -180,17 +180,41 @@ def test_shrink_across_concatenation_batch_norm_residual_and_flatten():
 
 
 def test_shrink_tiny_llama_with_grouped_query_attention():
+    """Each decoder MLP of a GQA LLaMA pruned and shrunk in place; the whole model keeps the masked logits.
+
+    Structured pruning works on module-level graphs; the export frontend now captures the whole
+    model at the aten level (where PruneMasks finds no layers), so the MLPs are instrumented here.
+    """
+    import copy
+
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=100, max_position_embeddings=32, hidden_size=32, num_hidden_layers=2,
                                    num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
     model = transformers.LlamaForCausalLM(cfg).eval()
     ids = torch.randint(0, 100, (2, 8))
-    dbg = fxdebug.instrument(model, [PruneMasks(0.3, structured="channels")], example_inputs={"input_ids": ids})
-    plain, small = dbg.to_module(), dbg.to_module(shrink=True)
-    mlp = small.model.layers[0].mlp
-    assert mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features < 64
-    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in plain.parameters())
+    masked, small = copy.deepcopy(model), copy.deepcopy(model)
+    x = torch.randn(2, 8, 32)
+    for i, layer in enumerate(model.model.layers):
+        dbg = fxdebug.instrument(layer.mlp, [PruneMasks(0.3, structured="channels")], example_inputs=(x,))
+        masked.model.layers[i].mlp = dbg.to_module()
+        small.model.layers[i].mlp = dbg.to_module(shrink=True)
+        mlp = small.model.layers[i].mlp
+        assert mlp.gate_proj.out_features == mlp.up_proj.out_features == mlp.down_proj.in_features < 64
+    assert sum(p.numel() for p in small.parameters()) < sum(p.numel() for p in model.parameters())
     with torch.no_grad():
-        torch.testing.assert_close(small(input_ids=ids).logits, dbg(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
-        assert _flops(small, {"input_ids": ids}) < _flops(plain, {"input_ids": ids})
+        torch.testing.assert_close(small(input_ids=ids).logits, masked(input_ids=ids).logits, atol=1e-5, rtol=1e-4)
+        assert _flops(small, {"input_ids": ids}) < _flops(masked, {"input_ids": ids})
+
+
+def test_shrink_of_an_export_graph_without_pruning_is_a_plain_copy():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 100, (2, 8))
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": ids})
+    assert dbg.trace_info.frontend == "export"
+    small = dbg.to_module(shrink=True)
+    with torch.no_grad():
+        assert torch.equal(small(input_ids=ids).logits, dbg(input_ids=ids).logits)
