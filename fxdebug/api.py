@@ -9,7 +9,6 @@ knows which frontend made a module: the parts say it.
 from __future__ import annotations
 
 import inspect
-import inspect
 import time
 from typing import Any, Sequence
 
@@ -31,15 +30,12 @@ from .report import Report
 from .runtime.lower import lower_observers
 from .inputs import Inputs, normalize_inputs
 from .usage import check_example_inputs, check_options, check_where_matched
-from .usage import check_example_inputs, check_options, check_where_matched
 from .verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
 
 FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
 _CHOICES = ("auto", *FRONTENDS)
-# instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
-_INSTRUMENT_OWN = ("prior_report", "verify")
 # instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
 _INSTRUMENT_OWN = ("prior_report", "verify")
 
@@ -138,7 +134,6 @@ def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any =
     """
     pass_list = list(passes)
     observe_only = all(p.observe_only for p in pass_list)
-    check_where_matched(pass_list, gm.parts())
     check_where_matched(pass_list, gm.parts())
     for path, part in gm.parts().items():
         recorded = part.recorded_inputs()

@@ -264,7 +264,6 @@ def _clean_export_path(path: str) -> str:
 
 
 _FXDEBUG_FRAME = re.compile(r"[/\\\\]fxdebug[/\\\\](?!.*[/\\\\]tests[/\\\\])")
-_FXDEBUG_FRAME = re.compile(r"[/\\\\]fxdebug[/\\\\](?!.*[/\\\\]tests[/\\\\])")
 _INTERNAL = re.compile(r"[/\\\\](torch|fxdebug|transformers[/\\\\]utils)[/\\\\]|^<")
 
 
@@ -277,8 +276,6 @@ def source_line(node: Node) -> str | None:
     # The innermost user frame is the last 'File "...", line N' entry, followed by its code line.
     for i in range(len(lines) - 1, -1, -1):
         m = re.match(r'File "([^"]+)", line (\d+)', lines[i])
-        if m and _FXDEBUG_FRAME.search(m.group(1)):
-            return None  # fxdebug's own capture call: the op has no user line (inside nn.Sequential)
         if m and _FXDEBUG_FRAME.search(m.group(1)):
             return None  # fxdebug's own capture call: the op has no user line (inside nn.Sequential)
         if m and not _INTERNAL.search(m.group(1)):
