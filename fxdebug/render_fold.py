@@ -14,6 +14,9 @@ Four folds, each a small function over the view, applied in this order by ``fold
   the same way — fold onto the first one, labelled ``layer.0–11 ×12``. A block that holds a finding
   (the NaN/Inf origin, a failed check) is never folded: the run is split around it.
 
+Last, a cluster with hundreds of nodes of its own (a long flat ``nn.Sequential``) is split into runs
+of ``CHUNK`` nodes that collapse like modules (``chunk_long_clusters``).
+
 The view keeps the folded nodes on their representative (``VisNode.folded``) so colours and
 aggregates still see NaN/Inf in any folded block.
 """
@@ -24,7 +27,7 @@ import re
 
 from .render_view import GraphView, VisNode
 
-__all__ = ["SIZE_OPS", "fold_view", "focus_paths"]
+__all__ = ["CHUNK", "SIZE_OPS", "chunk_long_clusters", "fold_view", "focus_paths"]
 
 SIZE_OPS = frozenset({"size", "sym_size", "sym_numel", "sym_stride", "dim", "numel"})
 """Ops (by name, without namespace or overload) whose result is a size: plumbing whatever they read."""
@@ -39,7 +42,34 @@ def fold_view(view: GraphView) -> GraphView:
     place_plumbing(view)
     view.focus = focus_paths(view)
     fold_repeats(view)
+    chunk_long_clusters(view)
+    view.focus = focus_paths(view)
     return view
+
+
+CHUNK = 100
+"""A cluster with more than ``2 * CHUNK`` nodes of its own (a long flat ``nn.Sequential``) is split
+into runs of ``CHUNK`` consecutive nodes, ``(nodes 1–100)``, each into runs of ``CHUNK // 10``; they
+collapse like modules."""
+
+
+def chunk_long_clusters(view: GraphView, size: int = CHUNK) -> None:
+    """Give the nodes of an oversized cluster a run of their own to be drawn (and collapsed) in."""
+    members: dict[str, list[VisNode]] = {}
+    for v in view.nodes.values():
+        if v.kind not in ("placeholder", "output"):
+            members.setdefault(v.cluster, []).append(v)
+    for cluster, nodes in members.items():
+        if len(nodes) <= 2 * size:
+            continue
+        sub = max(2, size // 10)
+        for start in range(0, len(nodes), size):
+            run = nodes[start:start + size]
+            outer = f"(nodes {start + 1}–{start + len(run)})"
+            for first in range(0, len(run), sub):  # runs of runs: an open run is short too
+                inner = f"(nodes {start + first + 1}–{start + first + len(run[first:first + sub])})"
+                for v in run[first:first + sub]:
+                    v.placed = ".".join(p for p in (cluster, outer, inner) if p)
 
 
 def _base_op(label: str) -> str:

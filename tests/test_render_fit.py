@@ -185,3 +185,15 @@ def test_mask_plumbing_folds_into_the_consuming_cluster(tmp_path: Path) -> None:
     plumbing = [t for t in nodes if t.startswith("plumbing/encoder")]
     assert plumbing, sorted(nodes)  # they sit, folded, in the encoder cluster that consumes the mask
     assert any("mask/shape plumbing" in " ".join(nodes[t]["text"]) for t in plumbing)
+
+
+def test_long_flat_sequential_fits_in_runs(tmp_path: Path) -> None:
+    layers: list[nn.Module] = []
+    for _ in range(300):
+        layers += [nn.Linear(4, 4), nn.ReLU()]
+    gm = fxdebug.trace(nn.Sequential(*layers))  # 600 ops owned by the root: no module to collapse
+    path = fxdebug.render(gm, tmp_path / "flat.svg", failed="_401")
+    assert max(svg_size(Path(path).read_text(encoding="utf-8"))) <= FIT_PT
+    nodes = nodes_of(path)
+    assert nodes["_401"]["fill"] == COLORS["failed"]  # the run holding the failed node is drawn open
+    assert "module/(nodes 1–100)" in nodes and "_400" in nodes and "_1" not in nodes
