@@ -33,6 +33,7 @@ from .errors import (
     ShapeMismatchError,
     TraceError,
     UsageError,
+    VerificationError,
 )
 from .gradcheck import GradcheckResult, gradcheck
 from . import when
@@ -53,6 +54,7 @@ from .sensitivity import Sensitivity, sensitivity
 from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from .select import Where, matches
 from .tracing import Inputs, LeafInfo, TraceInfo
+from .verify import Verification, verify
 
 __version__ = "0.1.0"
 
@@ -79,6 +81,8 @@ __all__ = [
     "TraceError",
     "TraceInfo",
     "UsageError",
+    "Verification",
+    "VerificationError",
     "authoring",
     "collect",
     "diff",
@@ -86,6 +90,7 @@ __all__ = [
     "graph_pass",
     "instrument",
     "node_pass",
+    "numerics",
     "outputs_of",
     "plot",
     "precision_plan",
@@ -94,5 +99,6 @@ __all__ = [
     "sensitivity",
     "to_networkx",
     "trace",
+    "verify",
     "when",
 ]

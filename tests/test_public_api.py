@@ -25,7 +25,7 @@ USER_API = {
     "PassManager", "PassResult", "Report", "Sensitivity", "ShapeMismatchError", "TraceError", "TraceInfo",
     "UsageError", "Verification", "VerificationError", "authoring", "collect", "gradcheck", "graph_pass",
     "instrument", "node_pass", "numerics", "outputs_of", "plot", "precision_plan", "render", "sensitivity", "to_networkx",
-    "trace", "when",
+    "trace", "verify", "when",
 }
 # Promised by DESIGN.md's tables; they may land in fxdebug.__all__ before being pinned above.
 DESIGN_PROMISED = {"verify", "collect", "sensitivity", "precision_plan", "diff", "repro", "gradcheck", "InplaceError",
