@@ -11,6 +11,7 @@ from typing import Any
 from torch.fx import GraphModule
 
 from .errors import ArgumentTypeError
+from .instrumented import Instrumented
 from .render_view import build_view
 
 __all__ = ["to_networkx"]
@@ -36,9 +37,8 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
         raise ImportError("fxdebug.to_networkx() needs networkx: pip install networkx.") from None
     if not isinstance(gm, GraphModule):
         raise ArgumentTypeError(f"to_networkx() needs a torch.fx.GraphModule (e.g. from fxdebug.trace); got {type(gm).__name__}.")
-    observers, make_report = getattr(gm, "observers", None), getattr(gm, "report", None)
-    if report is None and callable(observers) and callable(make_report) and observers():
-        report = make_report()
+    if report is None and isinstance(gm, Instrumented) and gm.observers():
+        report = gm.report()
     view = build_view(gm, report, show_instrumentation=instrumentation)
     graph = nx.DiGraph(model_type=view.model_type, first_nonfinite=view.first_nonfinite,
                        first_nonfinite_grad=view.first_nonfinite_grad)

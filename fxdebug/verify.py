@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from .errors import ArgumentTypeError, MissingInputsError, VerificationError
 from .inputs import bind_inputs, clone_inputs, normalize_inputs
+from .instrumented import Instrumented
 from .meta import fx_meta
 from .modes import NAMESPACE, recipe
 
@@ -101,7 +102,7 @@ def _restored(*roots: nn.Module) -> Iterator[None]:
 def _namespaces(dbg: Any) -> list[nn.Module]:
     """fxdebug's own modules of every part, in every mode captured so far."""
     found: dict[int, nn.Module] = {}
-    parts = dbg.parts() if hasattr(dbg, "parts") else {"": dbg}
+    parts = dbg.parts() if isinstance(dbg, Instrumented) else {"": dbg}
     for part in {id(dbg): dbg, **{id(p): p for p in parts.values()}}.values():
         space = part._modules.get(NAMESPACE)
         if space is not None:
@@ -287,7 +288,7 @@ def _by(a: Any, b: Any) -> str:
 def _locate(dbg: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int,
             forward: bool, result: Verification, start: Any, params: list[nn.Parameter]) -> None:
     """Name the first node where graph and model part (best effort: module outputs are compared)."""
-    part: Any = dbg.parts().get("") if hasattr(dbg, "parts") else dbg
+    part: Any = dbg.parts().get("") if isinstance(dbg, Instrumented) else dbg
     if part is None or not hasattr(part, "graph"):
         return
     eager = _module_outputs(model, args, kwargs, seed)
