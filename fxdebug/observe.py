@@ -431,7 +431,18 @@ class Observer(nn.Module):
     Inserted by ``PassContext.observe``; called as ``observer(output, *inputs)``; returns ``None``.
     """
 
-    _clock: Clock | None  # shared, not a child (set with object.__setattr__)
+    # Set directly in __init__ (through __dict__); declared here for type checkers.
+    node_name: str
+    module_path: str
+    op: str
+    probes: dict[str, Probe]
+    states: dict[tuple[str, str], dict[str, Tensor]]
+    fused_rows: dict[str, tuple[int, int, int, int]]
+    _grads: bool
+    _channel_dim: int | None
+    _devices: dict[tuple[str, str], torch.device]
+    _calls: int
+    _clock: Clock | None  # shared, not a child
 
     def __init__(self, node_name: str, module_path: str, op: str, clock: Clock | None = None) -> None:
         super().__init__()
@@ -447,9 +458,6 @@ class Observer(nn.Module):
             fused_rows={},  # phase -> (row, first channel slot, channels, channel dim); set by lowering
             _clock=clock,  # shared, not a child: one clock per graph
         )
-        self.probes: dict[str, Probe]
-        self.states: dict[tuple[str, str], dict[str, Tensor]]
-        self.fused_rows: dict[str, tuple[int, int, int, int]]
 
     # -- set-up ---------------------------------------------------------------------------------
     def add_probe(self, probe: Probe) -> bool:
