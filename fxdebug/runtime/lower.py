@@ -16,6 +16,7 @@ it for a node (re-instrumenting attaches more probes to the same observer).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -45,9 +46,17 @@ class GradTap:
 
 @torch.fx.node.has_side_effect
 def observe_grad(x: Any, table: Tensor | None, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
-    """Observe the gradient flowing into ``x`` when the backward runs (no-op without autograd)."""
+    """Observe the gradient flowing into ``x`` when the backward runs (no-op without autograd).
+
+    The hook is the op itself with its state bound by keyword (``functools.partial``), so the
+    backward calls straight into the dispatcher with no Python frame of ours (the op returns
+    ``None``, which leaves the gradient as it is)."""
     if isinstance(x, Tensor) and table is not None and x.requires_grad and torch.is_grad_enabled():
-        x.register_hook(GradTap(table, (row, chan_off, channels, channel_dim)))
+        if torch.compiler.is_compiling():
+            x.register_hook(GradTap(table, (row, chan_off, channels, channel_dim)))
+        else:
+            x.register_hook(functools.partial(torch.ops.fxdebug.observe.default, table=table, row=row, chan_off=chan_off, channels=channels,
+                                              channel_dim=channel_dim))
 
 
 def is_lowered(node: Node) -> bool:
