@@ -121,6 +121,28 @@ def _install_recipe(gm: Any, rec: Recipe, base: str | None = None) -> None:
                           gm._modules.get(NAMESPACE), meta, base)
     rec.captures = [rec.current]
     object.__setattr__(gm, _ATTR, rec)
+    _mark(rec, rec.current)
+
+
+def _mark(rec: Recipe, capture: Capture) -> None:
+    """Export graphs bake the modes in: their record keeps the flags, checked even without a recipe."""
+    if rec.frontend == "export" and hasattr(capture.meta, "__setitem__"):
+        capture.meta["modes"] = capture.flags
+
+
+def _refuse_other_modes(gm: Any) -> None:
+    """A module loaded from a file (or made without ``instrument``) cannot be captured again: refuse."""
+    record: Any = gm.meta.get("fxdebug") if hasattr(gm, "meta") else None
+    fixed = record.get("modes") if record is not None and hasattr(record, "get") else None
+    if fixed is None:
+        return
+    now = (gm.training, *(m.training for n, m in gm.named_modules() if n and n.split(".")[0] != NAMESPACE))
+    if now != tuple(fixed):
+        raise TraceError(
+            f"this {type(gm).__name__} was captured by torch.export with {'training' if fixed[0] else 'eval'}-mode "
+            "flags baked into its ops (dropout, batch-norm), is called with other flags, and does not know its model "
+            "any more (it was loaded from a file or copied without it), so it cannot be captured again. Put the "
+            "modes back (.train()/.eval()) or instrument the model again.", module="", op=type(gm).__name__)
 
 
 def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
@@ -180,7 +202,10 @@ def follow_mode(gm: Any, mode: bool) -> None:
 def ensure_mode(gm: Any) -> None:
     """Before a call: make sure ``gm`` runs the graph captured for the modes its modules are in now."""
     rec = gm.__dict__.get(_ATTR)
-    if rec is None or not rec.frontend or rec.current is None:
+    if rec is None:
+        _refuse_other_modes(gm)
+        return
+    if not rec.frontend or rec.current is None:
         return
     flags = mode_key(gm.training, rec.modules)
     if flags == rec.current.flags and _holds(rec.current.guards):
@@ -195,6 +220,7 @@ def _switch(gm: Any, rec: Recipe, flags: ModeKey) -> None:
     if found is None:
         found = _capture(gm, rec, flags)
         rec.captures.append(found)
+        _mark(rec, found)
     if found.space is None:
         gm._modules.pop(NAMESPACE, None)
     else:

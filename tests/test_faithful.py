@@ -483,3 +483,22 @@ def test_a_graph_that_does_not_depend_on_the_mode_is_kept_with_its_statistics() 
     assert_same_step(dbg, ref, x, seed=5)  # dropout (a module) runs in training mode
     assert dbg.graph is graph and dbg.report().calls == 2
     assert any("one graph and its statistics serve both" in n for n in dbg.report().notes)
+
+
+def test_a_loaded_export_capture_refuses_other_modes() -> None:
+    """Unpickled, the module no longer knows its model: it refuses instead of running eval ops in training."""
+    import io
+
+    model = ModeBranches().eval()
+    x = torch.randn(6, 8)
+    dbg = fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="export")
+    buf = io.BytesIO()
+    torch.save(dbg, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+    loaded.train()
+    with pytest.raises(fxdebug.TraceError, match="baked into its ops"):
+        loaded(x)
+    loaded.eval()
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
