@@ -261,3 +261,26 @@ def test_cuda_record_mode_never_syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert dbg.report().row("fc")["calls"] == 2
+
+
+def test_a_users_fused_probe_shares_the_one_read():
+    class MeanAbs(fxdebug.FusedProbe):
+        key = "mean-abs"
+        columns = (fxdebug.Column("l1_mean"),)
+
+        def summary_from(self, stats, phase):
+            return {"l1_mean": stats.abs / stats.count if stats.count else None}
+
+    @fxdebug.graph_pass(name="mean-abs", observe_only=True)
+    def mean_abs(gm, ctx):
+        return fxdebug.PassResult(gm, added=[ctx.observe(n, MeanAbs()) for n in ctx.nodes(gm, float_outputs=True)])
+
+    model, (x,) = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [mean_abs, StatCollector()], example_inputs=(x,))
+    assert not [n for n in dbg.graph.nodes if n.op == "call_module" and isinstance(dbg.get_submodule(str(n.target)), fxdebug.Observer)]
+    dbg(x)
+    row = dbg.report().row("fc")
+    with torch.no_grad():
+        ref = model(x)
+    assert row["l1_mean"] == pytest.approx(float(ref.abs().double().mean()), rel=1e-6)
+    assert row["l1_mean"] == pytest.approx(row["mean_abs"])
