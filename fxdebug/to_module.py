@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
+from .inplace_proxy import writes_in_place
 from .meta import fx_meta, is_instrumentation
 
 __all__ = ["to_module"]
@@ -111,6 +112,8 @@ def _has_side_effects(graph: Graph) -> bool:
     """In-place ops and calls fxdebug cannot judge keep dead-code elimination away."""
     for n in graph.nodes:
         if n.op == "call_method" and str(n.target).endswith("_"):
+            return True
+        if writes_in_place(n):  # ``y += 1`` recorded as operator.iadd
             return True
         if n.op == "call_function" and getattr(n.target, "__name__", "").endswith("_"):
             return True

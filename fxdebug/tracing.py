@@ -28,6 +28,7 @@ from torch.fx import Graph, Tracer
 
 from .errors import TraceError
 from .faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
+from .inplace_proxy import MutatingProxy
 from .inputs import Inputs, normalize_inputs
 from .meta import fx_meta
 
@@ -87,6 +88,10 @@ class _FailureLocatingTracer(Tracer):
         # autograd.Functions, grad-mode/autocast regions and attribute writes: see fxdebug.faithful
         with patched_for_tracing(self, root):
             return super().trace(root, concrete_args)
+
+    def proxy(self, node: Any) -> MutatingProxy:
+        # ``y += 1`` must stay a write into y (fxdebug.inplace_proxy), not a new tensor
+        return MutatingProxy(node, self)
 
     def create_node(self, *args: Any, **kwargs: Any) -> Any:
         node = super().create_node(*args, **kwargs)
