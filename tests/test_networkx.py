@@ -23,7 +23,7 @@ def test_structure_matches_the_fx_graph():
     conv = g.nodes["layer1_0_conv1"]
     assert (conv["op"], conv["target"], conv["label"], conv["module"]) == ("call_module", "layer1.0.conv1", "Conv2d",
                                                                          "layer1.0.conv1")
-    assert g.nodes["add"]["op"] == "call_function" and g.nodes["add"]["module"] == "layer1.0"
+    assert g.nodes["iadd"]["op"] == "call_function" and g.nodes["iadd"]["module"] == "layer1.0"
 
 
 def test_instrumented_nodes_carry_shapes_and_statistics():
