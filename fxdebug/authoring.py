@@ -21,7 +21,7 @@ Groups:
   ``INSTRUMENTATION``, ``CLOCK``, ``GUARD``, ``graph_record`` / ``GraphRecord``, ``fx_meta`` (raw
   dict), ``describe``, ``module_path``, ``module_type``, ``op_label``, ``source_line``,
   ``is_instrumentation``;
-* op classification — ``get_module``, ``is_conv``, ``is_linear``, ``is_batchnorm``, ``is_relu``,
+* op classification — ``get_module``, ``get_attr``, ``is_conv``, ``is_linear``, ``is_batchnorm``, ``is_relu``,
   ``is_view``, ``is_inplace``, ``is_kind``, ``register_kind``;
 * rewriting — ``find_pattern``, ``replace_pattern``, ``Match``, ``Replacement``, ``node_values``,
   ``keep_state``.
@@ -54,7 +54,7 @@ from .meta import (
 )
 from .module_outputs import outputs_of
 from .observe import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
-from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
+from .ops import get_attr, get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
 from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
 from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from .select import Where, matches
@@ -90,6 +90,7 @@ __all__ = [
     "describe",
     "find_pattern",
     "fx_meta",
+    "get_attr",
     "get_module",
     "graph_pass",
     "graph_record",

@@ -18,6 +18,7 @@ from torch.fx import Node
 
 __all__ = [
     "OpKind",
+    "get_attr",
     "get_module",
     "is_batchnorm",
     "is_conv",
@@ -106,6 +107,17 @@ def get_module(gm: torch.nn.Module, node: Node) -> nn.Module | None:
         return gm.get_submodule(str(node.target))
     except AttributeError:
         return None
+
+
+def get_attr(gm: torch.nn.Module, target: str) -> Any:
+    """What the dotted path ``target`` of a ``get_attr`` node names on ``gm`` (a parameter, a
+    buffer, a constant, a submodule), or ``None`` when nothing is there."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
 
 
 def is_kind(node: Node, kind: OpKind, gm: torch.nn.Module | None = None) -> bool:

@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
+from fxdebug.authoring import get_attr
 
 __all__ = ["Freeze", "GradientScale"]
 
@@ -196,7 +197,7 @@ class Freeze(fxdebug.Pass):
                 self._wrap_call(gm, ctx, node, target, mod, names)
                 frozen.update(f"{target}.{k}" for k in names)
                 changed.append(node.name)
-            elif node.op == "get_attr" and isinstance(_attr(gm, str(node.target)), nn.Parameter):
+            elif node.op == "get_attr" and isinstance(get_attr(gm, str(node.target)), nn.Parameter):
                 path = str(node.target).rsplit(".", 1)[0] if "." in str(node.target) else ""
                 if not self._selects(node, path or str(node.target)):
                     continue
@@ -226,11 +227,3 @@ class Freeze(fxdebug.Pass):
         node.target = wrapper
         node.args = (ref, *node.args)
 
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj

@@ -29,6 +29,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug.authoring import get_attr
 
 __all__ = ["ParamGradProbe", "ParamGrads"]
 
@@ -152,7 +153,7 @@ class ParamGrads(fxdebug.Pass):
                 params = dict(gm.get_submodule(target).named_parameters())
                 host = _host(node)
             elif node.op == "get_attr":
-                value = _attr(gm, str(node.target))
+                value = get_attr(gm, str(node.target))
                 if isinstance(value, nn.Parameter):
                     params = {str(node.target): value}
                     users = [u for u in node.users if not fxdebug.is_instrumentation(u)]
@@ -166,11 +167,3 @@ class ParamGrads(fxdebug.Pass):
         added = [ctx.observe(host, ParamGradProbe(params, owners[host])) for host, params in groups.items()]
         return PassResult(gm, added=added)
 
-
-def _attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -51,14 +53,13 @@ def _make(name: str, where):
     """Each built-in pass, limited by ``where``, with the arguments it needs."""
     needs = {
         "Breakpoint": lambda: lib.Breakpoint(where, action=lambda hit: None),
-        "Capture": None,  # selects by node names, not where=
+        "Capture": lambda: lib.Capture(where=where),
         "Freeze": lambda: lib.Freeze(where),
         "GradientScale": lambda: lib.GradientScale(where, -1.0),
-        "Precision": None,  # driven by a precision plan, not where=
         "PruneMasks": lambda: lib.PruneMasks(0.5, where=where),
     }
     if name in needs:
-        return needs[name]() if needs[name] is not None else None
+        return needs[name]()
     return getattr(lib, name)(where=where)
 
 
@@ -66,14 +67,21 @@ OBSERVERS = {"DeviceCheck", "GradientCentralize", "Histograms", "InplaceCheck", 
              "Shadow", "ShapeAssert", "StatCollector"}
 
 
-@pytest.mark.parametrize("name", lib.__all__)
+PLAN_DRIVEN = {"Precision"}  # acts on the nodes its precision plan names; takes no where=
+
+
+def test_plan_driven_passes_take_no_where():
+    for name in PLAN_DRIVEN:
+        assert "where" not in inspect.signature(getattr(lib, name)).parameters, name
+
+
+@pytest.mark.parametrize("name", sorted(set(lib.__all__) - PLAN_DRIVEN))
 def test_every_builtin_pass_accepts_outputs_of(name):
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
     where = fxdebug.outputs_of("layer1.*")
     p = _make(name, where)
-    if p is None:
-        pytest.skip(f"{name} does not take where=")
+    assert p is not None
     if name in ("Fuse", "SwapActivation"):  # transforms: outputs of layer1 blocks are F.relu nodes
         where = fxdebug.outputs_of("layer1.*.bn2") if name == "Fuse" else where
         p = _make(name, where)

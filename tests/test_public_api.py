@@ -39,7 +39,7 @@ AUTHORING_API = {
     "CLOCK", "COLOR", "Column", "FusedProbe", "FusedStats", "GUARD", "GraphRecord", "HIDDEN", "INSTRUMENTATION",
     "KNOWN_REQUIREMENTS", "Match", "NONFINITE", "NodeMeta", "ORIGIN", "ObservationContext", "Observer", "Pass",
     "PassContext", "PassManager", "PassResult", "Probe", "Reductions", "Replacement", "SAMPLE", "TensorSpec",
-    "VALUE", "Where", "describe", "find_pattern", "fx_meta", "get_module", "graph_pass", "graph_record",
+    "VALUE", "Where", "describe", "find_pattern", "fx_meta", "get_attr", "get_module", "graph_pass", "graph_record",
     "is_batchnorm", "is_conv", "is_inplace", "is_instrumentation", "is_kind", "is_linear", "is_relu", "is_view",
     "keep_state", "matches", "module_path", "module_type", "node_meta", "node_pass", "node_values", "op_label",
     "outputs_of", "register_kind", "replace_pattern", "source_line", "systematic_sample",
