@@ -18,43 +18,30 @@ metadata, selection, rewriting). Built-in passes live in ``fxdebug.passes``; ``f
 implementation. Pass-author names are still attributes here for older code.
 """
 
-from .collect import collect
-from .columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
-from .context import PassContext, TensorSpec
-from .errors import (
-    ArgumentTypeError,
-    DeviceMismatchError,
-    DistributedError,
-    FxDebugError,
-    InplaceError,
-    MissingInputsError,
-    NonFiniteError,
-    PassError,
-    ShapeMismatchError,
-    TraceError,
-    UsageError,
-    VerificationError,
-)
-from .gradcheck import GradcheckResult, gradcheck
-from . import when
-from .graph_nx import to_networkx
-from . import authoring
-from .api import instrument, render, trace
-from .instrumented import Instrumented
-from . import numerics
-from .numerics import diff, precision_plan, repro
-from .module_outputs import outputs_of
-from .meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
-from .observe import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
-from .ops import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
-from .passes_api import Pass, PassManager, PassResult, graph_pass, node_pass
-from .report import Report
-from . import plot
-from .sensitivity import Sensitivity, sensitivity
-from .rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
-from .select import Where, matches
-from .tracing import Inputs, LeafInfo, TraceInfo
-from .verify import Verification, verify
+from fxdebug.numerics.collect import collect
+from fxdebug.runtime.columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
+from fxdebug.authoring.context import PassContext, TensorSpec
+from fxdebug.errors import ArgumentTypeError, DeviceMismatchError, DistributedError, FxDebugError, InplaceError, MissingInputsError, NonFiniteError, PassError, ShapeMismatchError, TraceError, UsageError, VerificationError
+from fxdebug.numerics.gradcheck import GradcheckResult, gradcheck
+from fxdebug import when
+from fxdebug.instrumented.networkx import to_networkx
+from fxdebug import authoring
+from fxdebug.api import instrument, render, trace
+from fxdebug.instrumented.module import Instrumented
+from fxdebug import numerics
+from fxdebug.numerics import diff, precision_plan, repro
+from fxdebug.graph.module_outputs import outputs_of
+from fxdebug.graph.meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
+from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
+from fxdebug.graph.classify import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
+from fxdebug.authoring.pipeline import Pass, PassManager, PassResult, graph_pass, node_pass
+from fxdebug.report.report import Report
+from fxdebug import plot
+from fxdebug.numerics.sensitivity import Sensitivity, sensitivity
+from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
+from fxdebug.graph.select import Where, matches
+from fxdebug.capture.symbolic import Inputs, LeafInfo, TraceInfo
+from fxdebug.instrumented.verify import Verification, verify
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,8 @@
-"""``python -m fxdebug``: the command line (see ``fxdebug.cli``)."""
+"""``python -m fxdebug``: the command line (see ``fxdebug.cli.main``)."""
 
 import sys
 
-from .cli import main
+from fxdebug.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,22 +15,22 @@ from typing import Any, Sequence
 from torch import nn
 from torch.fx import GraphModule
 
-from .context import PassContext
-from .distributed import unwrap_parallel
-from .errors import ArgumentTypeError, FxDebugError, MissingInputsError, TraceError, UsageError
-from .frontends.base import Frontend, TraceOptions
-from .frontends.graphs import ExportFrontend, SymbolicFrontend
-from .frontends.subtrees import SubtreesFrontend
-from .instrumented import Instrumented
-from .meta import graph_record
-from .modes import remember
-from .passes_api import Pass, PassManager, validate_passes
-from .render import render as draw
-from .report import Report
-from .runtime.lower import lower_observers
-from .inputs import Inputs, normalize_inputs
-from .usage import check_example_inputs, check_options, check_where_matched
-from .verify import verify
+from fxdebug.authoring.context import PassContext
+from fxdebug.report.distributed import unwrap_parallel
+from fxdebug.errors import ArgumentTypeError, FxDebugError, MissingInputsError, TraceError, UsageError
+from fxdebug.capture.base import Frontend, TraceOptions
+from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
+from fxdebug.capture.subtrees import SubtreesFrontend
+from fxdebug.instrumented.module import Instrumented
+from fxdebug.graph.meta import graph_record
+from fxdebug.instrumented.modes import remember
+from fxdebug.authoring.pipeline import Pass, PassManager, validate_passes
+from fxdebug.render.draw import render as draw
+from fxdebug.report.report import Report
+from fxdebug.runtime.lower import lower_observers
+from fxdebug.graph.inputs import Inputs, normalize_inputs
+from fxdebug.graph.usage import check_example_inputs, check_options, check_where_matched
+from fxdebug.instrumented.verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
 

@@ -120,7 +120,7 @@ class VerificationError(FxDebugError, AssertionError):
     """``fxdebug.verify`` found outputs, gradients or buffers that differ from the model's.
 
     ``node`` is the first node where the two runs part (when it could be located); ``result``
-    the full ``fxdebug.verify.Verification``.
+    the full ``fxdebug.instrumented.verify.Verification``.
     """
 
     def __init__(self, message: str, *, result: object = None, **context: str | None) -> None:

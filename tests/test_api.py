@@ -10,7 +10,7 @@ import torch
 import fxdebug
 from fxdebug.api import FRONTENDS
 from fxdebug.authoring import INSTRUMENTATION, GraphRecord, graph_pass, node_meta
-from fxdebug.frontends.base import TraceOptions
+from fxdebug.capture.base import TraceOptions
 from fxdebug.passes import NaNCheck, StatCollector
 from zoo import ZOO
 from test_subtrees import Detector, _images

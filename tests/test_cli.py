@@ -13,8 +13,8 @@ import xml.etree.ElementTree as ET
 import pytest
 import torch
 
-from fxdebug.cli import main
-from fxdebug.render_dot import COLORS
+from fxdebug.cli.main import main
+from fxdebug.render.dot import COLORS
 
 SVG = "{http://www.w3.org/2000/svg}"
 TARGETS = textwrap.dedent("""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fxdebug
-from fxdebug.cli import main
+from fxdebug.cli.main import main
 
 MODELS = textwrap.dedent('''
     import torch

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import fxdebug
-from fxdebug.collect import make_progress, split_batch
+from fxdebug.numerics.collect import make_progress, split_batch
 from fxdebug.passes import NaNCheck, ParamGrads, StatCollector
 from zoo import ZOO
 

@@ -126,7 +126,7 @@ def test_planted_nan_on_rank_1_is_named_with_rank_and_call(two_ranks):
     results, log = two_ranks
     for r in (0, 1):
         nan = _ok(results[r], "nan", log)
-        assert nan["origin"] == fxdebug.distributed.Origin(call=2, rank=1, node="sqrt", module="")
+        assert nan["origin"] == fxdebug.report.distributed.Origin(call=2, rank=1, node="sqrt", module="")
         assert nan["first"] == "sqrt"
         # rank 0 alone sees the NaN only one call later, after the all-reduce spread NaN weights
         assert nan["per_rank"][0]["first_nonfinite"] == "fc1" and nan["per_rank"][1]["first_nonfinite"] == "sqrt"
@@ -154,7 +154,7 @@ def test_a_rank_failing_mid_step_gives_the_other_a_clear_error(tmp_path):
 
 def test_merge_rules_without_processes():
     """The row merge itself: parallel variance, global extremes, summed counts, unknown dead_frac."""
-    from fxdebug.distributed import _merge_rows
+    from fxdebug.report.distributed import _merge_rows
 
     a = torch.randn(100, dtype=torch.float64)
     b = torch.randn(37, dtype=torch.float64) * 3 + 1
@@ -190,7 +190,7 @@ def test_tracing_dataparallel_unwraps_module_without_processes():
 
 
 def test_origin_order_is_call_then_rank_then_execution_order():
-    from fxdebug.distributed import Origin, _origin
+    from fxdebug.report.distributed import Origin, _origin
 
     ranks = [
         {"rank": 0, "fwd": (5, "fc1", 0, "fc1"), "bwd": (1, "fc1", 0, "fc1")},

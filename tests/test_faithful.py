@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fxdebug
-from fxdebug.faithful import apply_function, grad_enter, grad_exit
+from fxdebug.capture.faithful import apply_function, grad_enter, grad_exit
 from fxdebug.passes import NaNCheck, StatCollector
 
 FRONTENDS = ("symbolic", "export", "subtrees")

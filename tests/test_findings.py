@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fxdebug
-from fxdebug.findings import (CheckFailed, DeadActivations, ExplodingGradients, FindingRules, NonFiniteOrigin,
+from fxdebug.report.findings import (CheckFailed, DeadActivations, ExplodingGradients, FindingRules, NonFiniteOrigin,
                               VanishingGradients, activation_row)
 from fxdebug.passes import NaNCheck, ParamGrads, StatCollector
 from zoo import ZOO

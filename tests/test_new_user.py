@@ -101,13 +101,13 @@ def test_ops_inside_a_root_sequential_get_no_misleading_source_line():
         fxdebug.instrument(seq, [], example_inputs=(torch.randn(2, 4),))
     assert "test_new_user.py" not in str(info.value)  # the instrument() call is not where the op lives
     dbg = fxdebug.trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
-    assert all(fxdebug.meta.source_line(n) is None for n in dbg.graph.nodes)
+    assert all(fxdebug.graph.meta.source_line(n) is None for n in dbg.graph.nodes)
 
 
 def test_source_line_of_an_op_in_the_users_forward_is_kept():
     dbg = fxdebug.trace(FlattenNet())
     node = next(n for n in dbg.graph.nodes if n.target is torch.flatten)
-    assert "test_new_user.py" in fxdebug.meta.source_line(node) and "torch.flatten(y, 1)" in fxdebug.meta.source_line(node)
+    assert "test_new_user.py" in fxdebug.graph.meta.source_line(node) and "torch.flatten(y, 1)" in fxdebug.graph.meta.source_line(node)
 
 
 def test_errors_are_fxdebug_errors():

@@ -1,4 +1,4 @@
-"""The wheel ships every subpackage: an editable install once hid a missing ``fxdebug.frontends``.
+"""The wheel ships every subpackage: an editable install once hid a missing ``fxdebug.capture``.
 
 Every directory under ``fxdebug/`` and ``passes/`` holding an ``__init__.py`` must be listed in
 ``[tool.setuptools] packages`` (mapped as setuptools maps it), and every non-Python file the

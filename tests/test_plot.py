@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import fxdebug
-from fxdebug.findings import FindingRules
+from fxdebug.report.findings import FindingRules
 from fxdebug.passes import ParamGrads, StatCollector
 from zoo import ZOO
 

@@ -154,3 +154,67 @@ def test_core_never_imports_passes_at_module_level():
                 assert "passes" not in (node.module or "").split("."), f"{path} imports passes at module level"
             if isinstance(node, ast.Import):
                 assert not any("passes" in a.name.split(".") for a in node.names), path
+
+
+# The floor plan of fxdebug/, bottom up. A module may import its own folder and any floor below
+# its own, never a floor above and never a sibling folder on its own floor (imports inside
+# functions count: a lazy import upward is the same dependency, only hidden).
+FLOORS = [
+    {"fxdebug.errors"},
+    {"fxdebug.graph"},
+    {"fxdebug.runtime", "fxdebug.capture"},
+    {"fxdebug.report"},
+    {"fxdebug.authoring", "fxdebug.render"},
+    {"fxdebug.instrumented"},
+    {"fxdebug.api"},
+    {"fxdebug.numerics", "fxdebug.training", "fxdebug.plot", "fxdebug.when"},
+    {"fxdebug"},  # the package itself: the user API, re-exported from the floors below
+    {"fxdebug.cli", "fxdebug.integrations"},
+    {"fxdebug.__main__"},
+]
+# Known upward imports still to be removed: each entry is (importer room, imported room). The list
+# only shrinks; a new upward import fails the test below.
+UPWARD_DEBTS: set[tuple[str, str]] = {
+    ("fxdebug.capture", "fxdebug.instrumented"),  # frontends build the module: they should return a Capture
+    ("fxdebug.capture", "fxdebug.authoring"),  # a frontend reads the metadata namespace from the context
+    ("fxdebug.render", "fxdebug.authoring"),  # render learns shapes through PassContext's private names
+    ("fxdebug.report", "fxdebug.numerics"),  # Report.history / precision_origin know Shadow and Recorder
+}
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def _room(module: str) -> str:
+    """The folder (or top-level module) a module lives in: ``fxdebug.graph.meta`` → ``fxdebug.graph``."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def _floor(room: str) -> int:
+    for i, rooms in enumerate(FLOORS):
+        if room in rooms:
+            return i
+    raise AssertionError(f"{room} is on no floor: add it to FLOORS in tests/test_public_api.py")
+
+
+def test_every_import_points_down_the_floor_plan():
+    modules = _core_modules()
+    upward = set()
+    for name, path in modules.items():
+        here = _room(name)
+        for target, names in _imports(path, name):
+            if not target.startswith("fxdebug") or target.startswith("fxdebug.passes"):
+                continue
+            deps = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules] or [target]
+            for dep in deps:
+                there = _room(dep)
+                if there != here and _floor(there) >= _floor(here):
+                    upward.add((here, there))
+    new = upward - UPWARD_DEBTS
+    assert not new, f"imports that point up or sideways in the floor plan: {sorted(new)}"
+    paid = UPWARD_DEBTS - upward
+    assert not paid, f"these debts are paid: remove them from UPWARD_DEBTS: {sorted(paid)}"
+
+
+def test_few_modules_at_the_top_of_the_package():
+    top = [p.name for p in (ROOT / "fxdebug").glob("*.py")]
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at the top of fxdebug/: {sorted(top)}"

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 import fxdebug
-from fxdebug.render_dot import COLORS, auto_depth, group_nodes
-from fxdebug.render_view import build_view
+from fxdebug.render.dot import COLORS, auto_depth, group_nodes
+from fxdebug.render.view import build_view
 from zoo import ZOO, MnistMismatch
 
-render_module = sys.modules["fxdebug.render"]  # the attribute fxdebug.render is the function
+render_module = sys.modules["fxdebug.render.draw"]  # the attribute fxdebug.render is the function
 SVG = "{http://www.w3.org/2000/svg}"
 XLINK = "{http://www.w3.org/1999/xlink}"
 
@@ -314,7 +314,7 @@ def test_render_doc_examples(tmp_path, monkeypatch):
 
 
 def test_cli_render_html(tmp_path, capsys):
-    from fxdebug.cli import main
+    from fxdebug.cli.main import main
 
     zoo = Path(__file__).resolve().parent / "zoo.py"
     assert main(["render", f"{zoo}:ResidualCNN", "--input", "1,3,32,32", "--html", "-o", str(tmp_path / "g.svg")]) == 0

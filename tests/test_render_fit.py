@@ -23,8 +23,8 @@ from torch import nn
 
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
-from fxdebug.render import FIT_PT, svg_size
-from fxdebug.render_dot import COLORS
+from fxdebug.render.draw import FIT_PT, svg_size
+from fxdebug.render.dot import COLORS
 
 pytestmark = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
 SVG = "{http://www.w3.org/2000/svg}"

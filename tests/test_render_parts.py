@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import fxdebug
-from fxdebug.frontends.part_flow import part_flow
+from fxdebug.capture.part_flow import part_flow
 from fxdebug.passes import NaNCheck, StatCollector
 
 pytestmark = pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")

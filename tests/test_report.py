@@ -11,7 +11,7 @@ import pytest
 
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
-from fxdebug.table import format_report
+from fxdebug.report.table import format_report
 from zoo import ZOO
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "observe.md"

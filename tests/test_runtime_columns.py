@@ -12,7 +12,7 @@ import torch
 
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
-from fxdebug.table import format_report
+from fxdebug.report.table import format_report
 from zoo import ZOO
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "writing-passes.md"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fxdebug
-from fxdebug.faithful import apply_function
+from fxdebug.capture.faithful import apply_function
 from fxdebug.passes import NaNCheck, StatCollector, SwapActivation
 from test_faithful import ModeBranches, Regions, WithFunctions
 

@@ -62,7 +62,7 @@ def drawn(browser: Any) -> set[str]:
 
 
 def test_page_is_self_contained(tmp_path: Path) -> None:
-    from fxdebug.demo import demo_model
+    from fxdebug.cli.demo import demo_model
 
     path = fxdebug.render(demo_model(), tmp_path / "demo.html", torch.randn(2, 3, 16, 16))
     text = Path(path).read_text(encoding="utf-8")
@@ -73,7 +73,7 @@ def test_page_is_self_contained(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: Any) -> tuple[Any, str]:
-    from fxdebug.demo import demo_batches, demo_model
+    from fxdebug.cli.demo import demo_batches, demo_model
 
     xs = demo_batches(2)
     dbg = fxdebug.instrument(demo_model(), [NaNCheck(), StatCollector()], example_inputs=(xs[0],))
@@ -206,7 +206,7 @@ def test_ten_thousand_nodes_open_lazily(browser: Any, tmp_path: Path) -> None:
 
 
 def test_viewer_colours_by_a_run_diff(browser: Any, tmp_path: Path) -> None:
-    from fxdebug.demo import demo_batches, demo_model
+    from fxdebug.cli.demo import demo_batches, demo_model
 
     x = demo_batches(1)[0]
     runs = []

@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-from .diff import Diff, diff
-from .precision import KeepFloat, PrecisionPlan, cast_back, keep_float, precision_plan
-from .recorder import CallRecord, History, add_recorder, history_of
-from .repro import Repro, repro
-from .shadow import ShadowOp, ShadowProbe, add_shadow, as_shadow, precision_origin
+from fxdebug.numerics.diff import Diff, diff
+from fxdebug.numerics.precision import KeepFloat, PrecisionPlan, cast_back, keep_float, precision_plan
+from fxdebug.numerics.recorder import CallRecord, History, add_recorder, history_of
+from fxdebug.numerics.repro import Repro, repro
+from fxdebug.numerics.shadow import ShadowOp, ShadowProbe, add_shadow, as_shadow, precision_origin
 
 __all__ = ["CallRecord", "Diff", "History", "KeepFloat", "PrecisionPlan", "Repro", "ShadowOp", "ShadowProbe", "add_recorder", "add_shadow", "as_shadow", "cast_back", "diff", "history_of",
            "keep_float", "precision_origin", "precision_plan", "repro"]

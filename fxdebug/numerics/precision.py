@@ -35,10 +35,10 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from ..context import PassContext
-from ..errors import MissingInputsError, UsageError
-from ..meta import fx_meta, is_instrumentation, module_path, op_label
-from .tensors import _leaves, _map, device_of, no_autocast, rel_error, tree_cast
+from fxdebug.authoring.context import PassContext
+from fxdebug.errors import MissingInputsError, UsageError
+from fxdebug.graph.meta import fx_meta, is_instrumentation, module_path, op_label
+from fxdebug.numerics.tensors import _leaves, _map, device_of, no_autocast, rel_error, tree_cast
 
 __all__ = ["KeepFloat", "PrecisionPlan", "cast_back", "keep_float", "precision_plan"]
 
@@ -225,7 +225,7 @@ class PrecisionPlan:
 
 
 def _inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    from ..inputs import normalize_inputs
+    from fxdebug.graph.inputs import normalize_inputs
 
     got = normalize_inputs(example_inputs)
     if got is None:
@@ -242,8 +242,8 @@ def precision_plan(model: nn.Module, example_inputs: Any, dtype: torch.dtype = t
     ``max_runs`` the number of verifying forward calls the search may make (then the best set
     found so far is returned).
     """
-    from ..api import instrument
-    from ..inputs import Inputs
+    from fxdebug.api import instrument
+    from fxdebug.graph.inputs import Inputs
 
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point) or torch.finfo(dtype).bits > 32:
         raise UsageError(f"precision_plan(dtype={dtype!r}): dtype is the reduced precision to run in, "
@@ -345,7 +345,7 @@ def _seeded(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 def _float_call_nodes(gm: GraphModule, ctx: PassContext, *, inplace: bool = True) -> list[Node]:
     """Call nodes with a floating output; ``inplace=False`` leaves out ops that write into an
     input (kept in fp32 they would write into an upcast copy, not the tensor others read)."""
-    from ..ops import is_inplace
+    from fxdebug.graph.classify import is_inplace
 
     out = []
     for n in ctx.nodes(gm, None):
@@ -359,15 +359,15 @@ def _float_call_nodes(gm: GraphModule, ctx: PassContext, *, inplace: bool = True
 
 
 def _passes() -> tuple[type, type]:
-    from ..passes_api import Pass
-    from ..passes_api import PassResult
+    from fxdebug.authoring.pipeline import Pass
+    from fxdebug.authoring.pipeline import PassResult
 
     class ShadowAll(Pass):
         name = "precision-plan-shadow"
         observe_only = True
 
         def run(self, gm: GraphModule, ctx: PassContext) -> Any:
-            from .shadow import add_shadow
+            from fxdebug.numerics.shadow import add_shadow
 
             nodes = ctx.nodes(gm, None)
             report = _float_call_nodes(gm, ctx)

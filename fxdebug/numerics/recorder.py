@@ -31,11 +31,11 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-from ..columns import HIDDEN, Column
-from ..context import PassContext
-from ..meta import fx_meta
-from ..observe import FusedProbe, FusedStats, Observer
-from ..runtime.slots import INDEX, K
+from fxdebug.runtime.columns import HIDDEN, Column
+from fxdebug.authoring.context import PassContext
+from fxdebug.graph.meta import fx_meta
+from fxdebug.runtime.observer import FusedProbe, FusedStats, Observer
+from fxdebug.runtime.slots import INDEX, K
 
 __all__ = ["STATS", "CallRecord", "Flight", "History", "RecorderEnd", "RecorderProbe", "add_recorder", "history_of"]
 

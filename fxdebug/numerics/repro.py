@@ -31,8 +31,8 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Interpreter, Node
 from torch.utils import _pytree as pytree
 
-from ..errors import FxDebugError, UsageError
-from ..meta import describe, is_instrumentation, module_path, op_label
+from fxdebug.errors import FxDebugError, UsageError
+from fxdebug.graph.meta import describe, is_instrumentation, module_path, op_label
 
 __all__ = ["Repro", "repro"]
 
@@ -128,7 +128,7 @@ def _describe_bad(value: Any) -> str:
 
 
 def _run(gm: GraphModule, values: list[Any], subgraph: set[Node] | None) -> _Runner:
-    from ..context import preserved_state
+    from fxdebug.authoring.context import preserved_state
 
     runner = _Runner(gm, subgraph)
     with preserved_state(gm), torch.no_grad():
@@ -423,7 +423,7 @@ def repro(dbg: GraphModule, inputs: Any, path: str | Path) -> Repro:
 
     Raises ``FxDebugError`` when the inputs run cleanly (nothing to reproduce).
     """
-    from ..inputs import bind_inputs, normalize_inputs
+    from fxdebug.graph.inputs import bind_inputs, normalize_inputs
 
     if not isinstance(dbg, GraphModule):
         raise UsageError(f"repro(dbg, inputs, path): dbg is an fxdebug.Instrumented (or GraphModule), got {type(dbg).__name__}.")

@@ -38,11 +38,11 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 from torch.utils import _pytree as pytree
 
-from ..columns import HIDDEN, Column
-from ..context import PassContext
-from ..meta import fx_meta, is_instrumentation
-from ..observe import ObservationContext, Probe, Reductions
-from .tensors import device_of, float_leaves, no_autocast, rel_error, tree_cast
+from fxdebug.runtime.columns import HIDDEN, Column
+from fxdebug.authoring.context import PassContext
+from fxdebug.graph.meta import fx_meta, is_instrumentation
+from fxdebug.runtime.observer import ObservationContext, Probe, Reductions
+from fxdebug.numerics.tensors import device_of, float_leaves, no_autocast, rel_error, tree_cast
 
 __all__ = ["ROLE", "ShadowOp", "ShadowProbe", "add_shadow", "as_shadow", "precision_origin"]
 
@@ -348,7 +348,7 @@ def add_shadow(gm: GraphModule, ctx: PassContext, nodes: Sequence[Node], dtype: 
 
 
 def _is_inplace(node: Node, module: nn.Module | None) -> bool:
-    from ..ops import is_inplace
+    from fxdebug.graph.classify import is_inplace
 
     return is_inplace(node, node.graph.owning_module)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..errors import UsageError
+from fxdebug.errors import UsageError
 
 __all__ = ["FeatureMaps", "feature_maps"]
 

@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsageError
-from ..findings import FindingRules, activation_row, grad_figures
+from fxdebug.errors import UsageError
+from fxdebug.report.findings import FindingRules, activation_row, grad_figures
 
 __all__ = ["Plot", "activations", "gradient_flow"]
 

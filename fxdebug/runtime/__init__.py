@@ -10,6 +10,6 @@ lowering that makes the instrumented graph call it directly.
 
 from __future__ import annotations
 
-from .ops import backend, fallback_reason, load, observe_op
+from fxdebug.runtime.kernel import backend, fallback_reason, load, observe_op
 
 __all__ = ["backend", "fallback_reason", "load", "observe_op"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .slots import INDEX, K
+from fxdebug.runtime.slots import INDEX, K
 
 __all__ = ["observe_torch"]
 

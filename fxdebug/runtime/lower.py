@@ -23,9 +23,9 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-from ..meta import fx_meta
-from ..observe import Clock, Observer
-from .ops import load, observe_many_op, observe_op
+from fxdebug.graph.meta import fx_meta
+from fxdebug.runtime.observer import Clock, Observer
+from fxdebug.runtime.kernel import load, observe_many_op, observe_op
 
 __all__ = ["GradTap", "batch_observations", "find_lowered", "is_lowered", "lower_observers", "observe_grad",
            "observer_of", "observers_in", "unbatch", "unlower"]
@@ -154,7 +154,7 @@ def _small(node: Node) -> bool:
 def _barrier(node: Node, gm: GraphModule) -> bool:
     """A node before which pending observations must be made: it may write into a tensor
     (in-place op, a module of unknown behaviour), may raise (a Python observer), or ends the graph."""
-    from ..ops import is_inplace
+    from fxdebug.graph.classify import is_inplace
 
     if node.op == "output":
         return True

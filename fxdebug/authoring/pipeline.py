@@ -1,0 +1,254 @@
+"""The pass protocol: ``Pass``, the ``graph_pass`` / ``node_pass`` decorators, ``PassResult``,
+``PassManager``.
+
+A pass is one small class (or one decorated function) over a ``GraphModule``. It says its name,
+and reports what it changed as node names (``added``, ``removed``, ``replaced``) — the manager
+turns that into provenance in ``node.meta["fxdebug"]``, into counters, and into highlights in the
+picture. Linting, recompiling, timing and error wrapping live in the manager, never in the pass.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from torch.fx import GraphModule, Node
+
+from fxdebug.authoring.context import PassContext
+from fxdebug.errors import FxDebugError, PassError
+from fxdebug.graph.meta import describe, is_instrumentation, node_meta
+from fxdebug.graph.select import Where
+
+__all__ = ["Pass", "PassManager", "PassResult", "graph_pass", "node_pass"]
+
+
+def _names(nodes: Iterable[Node | str | None]) -> list[str]:
+    return [n.name if isinstance(n, Node) else str(n) for n in nodes if n is not None]
+
+
+@dataclass
+class PassResult:
+    """What one pass did. Nodes may be given as ``Node`` objects or names; names are kept."""
+
+    gm: GraphModule
+    added: list[Any] = field(default_factory=list)
+    removed: list[Any] = field(default_factory=list)
+    replaced: dict[Any, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    pass_name: str = ""
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.added = _names(self.added)
+        self.removed = _names(self.removed)
+        self.replaced = {(k.name if isinstance(k, Node) else str(k)): (v.name if isinstance(v, Node) else str(v))
+                         for k, v in self.replaced.items()}
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed or self.replaced)
+
+    def __str__(self) -> str:
+        parts = [f"{len(self.added)} added", f"{len(self.removed)} removed", f"{len(self.replaced)} replaced"]
+        return f"{self.pass_name}: {', '.join(parts)} ({self.seconds * 1e3:.1f} ms)"
+
+
+def _kebab(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "-", name).lower()
+
+
+class Pass:
+    """Base class of every pass. Subclasses set ``name`` and implement ``run(gm, ctx)``.
+
+    Attributes:
+        name: shown in errors, provenance and the picture (defaults to the class name, kebab-case).
+        observe_only: True for passes that only watch; the model's outputs stay bitwise equal.
+        requires: what the pass needs from the context, checked before it runs: ``"shapes"`` or
+            ``"example_inputs"`` (a ``MissingInputsError`` naming the pass if none were given),
+            ``"prior_report"``; see ``fxdebug.authoring.context.KNOWN_REQUIREMENTS``.
+        where: the nodes the pass may touch (glob(s) over module paths / node names, or a predicate).
+    """
+
+    name: str = ""
+    observe_only: bool = False
+    requires: tuple[str, ...] = ()
+
+    def __init__(self, *, where: Where = None) -> None:
+        self.where = where
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("name"):
+            cls.name = _kebab(cls.__name__)
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:  # pragma: no cover - abstract
+        raise NotImplementedError(f"pass {self.name!r} does not implement run(gm, ctx)")
+
+    def __repr__(self) -> str:
+        opts = {k: v for k, v in vars(self).items() if not k.startswith("_") and v is not None}
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
+
+
+class _FunctionPass(Pass):
+    def __init__(self, fn: Callable[..., Any], name: str, observe_only: bool, requires: tuple[str, ...],
+                 per_node: bool, where: Where = None) -> None:
+        super().__init__(where=where)
+        self._fn = fn
+        self.name = name
+        self.observe_only = observe_only
+        self.requires = requires
+        self._per_node = per_node
+        self.__doc__ = fn.__doc__
+
+    def __call__(self, *, where: Where = None) -> "_FunctionPass":
+        """``my_pass(where="layer1.*")`` returns the same pass limited to those nodes."""
+        return _FunctionPass(self._fn, self.name, self.observe_only, self.requires, self._per_node, where)
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:
+        if not self._per_node:
+            return self._fn(gm, ctx)
+        replaced: dict[str, str] = {}
+        for node in ctx.nodes(gm, self.where):
+            if node.graph is not gm.graph or node not in gm.graph.nodes:
+                continue
+            new = self._fn(node, ctx)
+            if new is not None and new is not node:
+                replaced[node.name] = new.name if isinstance(new, Node) else str(new)
+        return PassResult(gm, replaced=replaced)
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name}>"
+
+
+def graph_pass(name: str | None = None, *, observe_only: bool = False, requires: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Pass]:
+    """Make ``fn(gm, ctx) -> PassResult | None`` a pass. Call the result with ``where=`` to limit it."""
+
+    def wrap(fn: Callable[..., Any]) -> Pass:
+        return _FunctionPass(fn, name or fn.__name__.replace("_", "-"), observe_only, tuple(requires), False)
+
+    return wrap
+
+
+def node_pass(name: str | None = None, *, requires: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Pass]:
+    """Make a local rewrite ``fn(node, ctx) -> Node | None`` a pass.
+
+    The function sees every selected node once; it returns the replacement node, or ``None``
+    for "no match". The manager records the replacements.
+    """
+
+    def wrap(fn: Callable[..., Any]) -> Pass:
+        return _FunctionPass(fn, name or fn.__name__.replace("_", "-"), False, tuple(requires), True)
+
+    return wrap
+
+
+class PassManager:
+    """Runs passes in order; after each one lints, checks and recompiles the graph.
+
+    A pass that raises, returns something odd, or leaves an invalid graph or a dangling node
+    becomes a ``PassError`` naming the pass and the offending node. Provenance is recorded on the
+    nodes each pass added or replaced (``added_by`` / ``changed_by``).
+    """
+
+    def __init__(self, passes: Sequence[Pass]) -> None:
+        self.passes = list(validate_passes(passes))
+        self.results: list[PassResult] = []
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> GraphModule:
+        for p in self.passes:
+            gm = self._run_one(p, gm, ctx)
+        return gm
+
+    def _run_one(self, p: Pass, gm: GraphModule, ctx: PassContext) -> GraphModule:
+        before = {n: n.name for n in gm.graph.nodes}
+        unused_before = {n.name for n in gm.graph.nodes if not n.users}  # the model's own dead values
+        ctx.check_requires(p.name, p.requires)
+        for inst in ctx.instruments:
+            getattr(inst, "before_pass", lambda *_: None)(p, gm)
+        start = time.perf_counter()
+        try:
+            with ctx.running(p.name, p.where):
+                result = p.run(gm, ctx)
+        except FxDebugError as exc:
+            if exc.pass_name is None:
+                exc.pass_name = p.name
+            raise
+        except Exception as exc:
+            raise PassError(
+                f"pass '{p.name}' raised {type(exc).__name__}: {exc}. The graph was left as it was before "
+                "the pass where possible; fix the pass or exclude the node with where=.",
+                pass_name=p.name,
+            ) from exc
+        if result is None:
+            result = PassResult(gm)
+        if not isinstance(result, PassResult):
+            raise PassError(f"pass '{p.name}' returned {type(result).__name__}; a pass returns a PassResult or None.",
+                            pass_name=p.name)
+        gm = result.gm
+        result.pass_name, result.seconds = p.name, time.perf_counter() - start
+        added = [n for n in gm.graph.nodes if n not in before]
+        dead_replacements = {new for old, new in result.replaced.items() if old in unused_before}
+        self._check(p, gm, [n for n in added if n.name not in dead_replacements])
+        for n in added:
+            if node_meta(n).added_by is None:
+                node_meta(n).added_by = p.name
+        if not result.added:
+            result.added = [n.name for n in added if not is_instrumentation(n)] or [n.name for n in added]
+        by_name = {n.name: n for n in gm.graph.nodes}
+        for new_name in result.replaced.values():
+            node = by_name.get(new_name)
+            if node is not None:
+                node_meta(node).add_changed_by(p.name)
+        alive = set(by_name.values())
+        removed = [name for n, name in before.items() if n not in alive]
+        if not result.removed:
+            result.removed = removed
+        gm.recompile()
+        only_watching = p.observe_only and not removed and not result.changed and all(is_instrumentation(n) for n in added)
+        if (added or removed or result.changed) and not only_watching:
+            ctx.invalidate()  # (an observe-only pass that only added instrumentation keeps the model's shapes)
+        self.results.append(result)
+        for inst in ctx.instruments:
+            getattr(inst, "after_pass", lambda *_: None)(p, gm, result)
+        return gm
+
+    @staticmethod
+    def _check(p: Pass, gm: GraphModule, added: list[Node]) -> None:
+        try:
+            gm.graph.lint()
+        except Exception as exc:
+            match = re.search(r"[Nn]ode[^']*'?([A-Za-z_][\w]*)", str(exc))
+            raise PassError(f"pass '{p.name}' left an invalid graph: {exc}", pass_name=p.name,
+                            node=match.group(1) if match else None) from exc
+        for n in added:
+            if not n.users and n.op not in ("output", "placeholder") and not is_instrumentation(n) \
+                    and not node_meta(n).keep_unused and not n.is_impure():
+                raise PassError(
+                    f"pass '{p.name}' added {describe(n)} but nothing uses it: rewire its users "
+                    "(ctx.insert_after(..., rewire=True)), erase it, or mark it with "
+                    "node.meta['fxdebug']['keep_unused'] = True.",
+                    pass_name=p.name, node=n.name,
+                )
+
+
+def validate_passes(passes: Any) -> list[Pass]:
+    """Check a user's pass list, with a plain sentence for each way it can be wrong."""
+    if isinstance(passes, Pass):
+        return [passes]
+    if passes is None:
+        return []
+    try:
+        items = list(passes)
+    except TypeError:
+        raise PassError(f"passes must be a list of fxdebug passes, got {type(passes).__name__}.") from None
+    for i, p in enumerate(items):
+        if isinstance(p, type) and issubclass(p, Pass):
+            raise PassError(f"passes[{i}] is the class {p.__name__}, not an instance: write {p.__name__}().",
+                            pass_name=getattr(p, "name", None))
+        if not isinstance(p, Pass):
+            raise PassError(
+                f"passes[{i}] is {type(p).__name__} ({p!r:.60}), not a pass: use an fxdebug.passes instance, "
+                "a Pass subclass instance, or a function decorated with @fxdebug.graph_pass.")
+    return items

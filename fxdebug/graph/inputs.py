@@ -1,0 +1,111 @@
+"""Example inputs: what users may pass, how they bind to a graph, and running them harmlessly.
+
+Every place that runs a model or graph on example inputs goes through here: ``normalize_inputs``
+accepts what users write (a tensor, a tuple, a dict of keywords, or ``Inputs``) and gives
+``(args, kwargs)``; ``bind_inputs`` maps that onto a graph's placeholders (export graphs take a
+flat pytree); ``clone_inputs`` copies the tensors so a forward that works in place cannot change
+the user's inputs; ``preserved_state`` puts buffers and the RNG streams back afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule
+from torch.fx._pytree import tree_flatten_spec
+from torch.utils._pytree import tree_map
+
+from fxdebug.errors import MissingInputsError
+from fxdebug.graph.module_state import restore_plain_state, saved_plain_state
+
+__all__ = ["CallInputs", "Inputs", "bind_inputs", "clone_inputs", "normalize_inputs", "preserved_state"]
+
+CallInputs = tuple[tuple[Any, ...], dict[str, Any]]  # normalised example inputs: (args, kwargs)
+
+
+class Inputs:
+    """Example inputs that mix positional and keyword arguments: ``Inputs(x, mask=m)``.
+
+    A tensor, a tuple (positional) or a dict (keyword) covers most models; this covers the rest
+    without guessing whether a trailing dict is an argument or the keywords.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    def __repr__(self) -> str:
+        parts = [type(a).__name__ for a in self.args] + [f"{k}=..." for k in self.kwargs]
+        return f"Inputs({', '.join(parts)})"
+
+
+def normalize_inputs(example_inputs: Any) -> CallInputs | None:
+    """Accept a tensor, a tuple/list of positional inputs, a dict of keyword inputs, or ``Inputs``."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, Inputs):
+        return tuple(example_inputs.args), dict(example_inputs.kwargs)
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    return (example_inputs,), {}
+
+
+def bind_inputs(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """Positional values for ``gm``'s placeholders from ``args`` / ``kwargs`` / defaults."""
+    pytree_info = getattr(gm.graph._codegen, "pytree_info", None)
+    if pytree_info is not None and pytree_info.in_spec is not None:  # export graphs: flat (args, kwargs)
+        return list(tree_flatten_spec((tuple(args), dict(kwargs)), pytree_info.in_spec))
+    values: list[Any] = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    pos = list(args)
+    for i, ph in enumerate(placeholders):
+        name = str(ph.target).lstrip("*")
+        if str(ph.target).startswith("**"):
+            values.append(dict(kwargs))
+        elif str(ph.target).startswith("*"):
+            values.append(tuple(pos[i:]))
+        elif name in kwargs:
+            values.append(kwargs[name])
+        elif i < len(pos):
+            values.append(pos[i])
+        elif ph.args:
+            values.append(ph.args[0])
+        else:
+            raise MissingInputsError(
+                f"example inputs do not provide forward argument '{name}' and it has no default; "
+                "pass it positionally or in a dict: example_inputs={'" + name + "': ...}.",
+                node=ph.name,
+            )
+    return values
+
+
+def clone_inputs(values: Any) -> Any:
+    """``values`` with every tensor cloned, as torch's ShapeProp does: a forward that works in
+    place (``x.mul_(2)``) must not change the user's example inputs."""
+    return tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, values)
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Run code against ``module`` and put its buffers and the RNG streams back afterwards."""
+    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+    plain = saved_plain_state(module)  # Python counters a forward advances (self.calls += 1)
+    entries = [(m, dict(m._buffers)) for m in module.modules()]  # a forward may rebind one (self.avg = ...)
+    tensors = list(module.parameters()) + list(module.buffers())
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their RNGs too
+    with torch.random.fork_rng(devices=devices, enabled=True):
+        try:
+            yield
+        finally:
+            restore_plain_state(plain)
+            for m, bufs in entries:
+                if any(m._buffers.get(k) is not v for k, v in bufs.items()):
+                    m._buffers.update(bufs)
+            with torch.no_grad():
+                for buf, copy in saved:
+                    buf.copy_(copy)

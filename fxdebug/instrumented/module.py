@@ -1,0 +1,315 @@
+"""``Instrumented``: the GraphModule users get back, and the one capture type every frontend returns.
+
+An ``Instrumented`` module holds the user's model's own submodules, parameters and buffers (the
+same objects, not copies), so training it trains the model, ``state_dict()`` keys are the
+model's, and a checkpoint loads either way. Everything fxdebug adds (observers, the clock, new
+modules from transform passes) lives under one root attribute, ``fxdebug``, with no persistent
+state. The model itself is never modified.
+
+When an op fails inside the instrumented forward, the error is re-raised as a typed fxdebug
+error naming the node (see ``diagnose``); on the success path nothing is added to the call.
+
+A capture is made of *parts*: ``parts()`` maps a module path to the ``Instrumented`` graph that
+stands for it. A symbolic or export capture is one part (``{"": self}``); the subtrees frontend
+gives several (``frontends/subtrees.py``). ``observers()``, ``reset()`` and ``report()`` loop over
+the parts, so no caller needs to know which frontend made the module. The entry points
+``trace`` / ``instrument`` / ``render`` live in ``api.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from collections import OrderedDict
+from typing import Any, Sequence
+
+from torch import nn
+from torch.fx import Graph, GraphModule
+
+from fxdebug.authoring.context import NAMESPACE, PassContext
+from fxdebug.graph.diagnose import locate_failure, op_failure
+from fxdebug.capture.eager_origin import explain_eager_origin
+from fxdebug.errors import ArgumentTypeError, FxDebugError
+from fxdebug.instrumented.face import model_attribute
+from fxdebug.graph.meta import KEY, GraphRecord, graph_record
+from fxdebug.instrumented.modes import ensure_mode, follow_mode
+from fxdebug.instrumented.recapture import route_call
+from fxdebug.runtime.observer import Clock, Observer
+from fxdebug.runtime.lower import observers_in
+from fxdebug.render.draw import render as draw
+from fxdebug.report.distributed import merged_report
+from fxdebug.report.report import Report, build_report, merge_reports
+from fxdebug.graph.serialize import deserialize_graph, encode_pytree_info, serialize_graph
+from fxdebug.instrumented.to_module import to_module as plain_module
+from fxdebug.capture.symbolic import TraceInfo
+
+__all__ = ["Instrumented"]
+
+
+class Instrumented(GraphModule):
+    """A traced, possibly instrumented model: a ``torch.fx.GraphModule`` with a report.
+
+    Build one with ``fxdebug.trace`` or ``fxdebug.instrument``, not directly.
+    """
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def _build(cls, model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> "Instrumented":
+        """``namespace``: fxdebug's own modules the graph already refers to (``fxdebug.*`` targets)."""
+        root: nn.Module = model
+        if namespace is not None:
+            root = _Holder({**model._modules, NAMESPACE: namespace}, model._parameters, model._buffers,
+                           model._non_persistent_buffers_set, model.training)
+        gm = cls(root, graph, class_name=type(model).__name__)
+        _adopt_hierarchy(gm, model)
+        if namespace is not None:
+            gm._modules[NAMESPACE] = namespace  # GraphModule copied it with persistent buffers; keep ours
+        gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
+        return gm
+
+    def recompile(self) -> Any:
+        code = super().recompile()
+        type(self).__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
+        return code
+
+    def train(self, mode: bool = True) -> "Instrumented":
+        super().train(mode)
+        follow_mode(self, mode)  # a captured part's own module follows, as shared children do
+        return self
+
+    def _call_with_diagnosis(self, *args: Any, **kwargs: Any) -> Any:
+        ensure_mode(self)  # the graph captured for the training flags the modules have now (fxdebug.instrumented.modes)
+        routed = route_call(self, args, kwargs)  # export: a call of another signature has its own capture
+        if routed is not None:
+            return routed(*args, **kwargs)
+        try:
+            return nn.Module.__call__(self, *args, **kwargs)
+        except FxDebugError:
+            raise
+        except Exception as exc:
+            located = locate_failure(self, exc)
+            if located is None:
+                raise
+            node, inputs = located
+            err = op_failure(node, exc, inputs)
+            if type(err) is FxDebugError:  # not a shape/device problem: keep the user's exception type
+                exc.add_note(f"fxdebug: {err.message}")
+                raise
+            raise err from exc
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # the model's own methods and attributes (generate, config)
+            return model_attribute(self, name)
+
+    # -- what fxdebug knows -----------------------------------------------------------------------
+    @property
+    def trace_info(self) -> TraceInfo:
+        return graph_record(self).trace or TraceInfo()
+
+    @property
+    def pass_results(self) -> list[Any]:
+        return graph_record(self).passes
+
+    def parts(self) -> dict[str, "Instrumented"]:
+        """``{module path: Instrumented}`` for every captured part, in execution order.
+
+        One graph (symbolic or export capture) is one part, the module itself under ``""``.
+        """
+        return {"": self}
+
+    def replace_part(self, path: str, new: "Instrumented") -> "Instrumented":
+        """The module with part ``path`` replaced by ``new`` (what a pass pipeline returned)."""
+        if path != "":
+            raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
+        return new
+
+    def recorded_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The ``(args, kwargs)`` this part was called with when its frontend recorded the model.
+
+        Handed over once, to the pass pipeline (``None`` for a part captured from the caller's inputs).
+        """
+        return self.__dict__.pop("_recorded_inputs", None)
+
+    def observers(self) -> dict[str, Observer]:
+        """``{observed node name: Observer}`` for every observed node, in graph order.
+
+        Nodes of a part other than the root read ``path/node``.
+        """
+        out: dict[str, Observer] = {}
+        for path, part in self.parts().items():
+            prefix = f"{path}/" if path else ""
+            out.update({prefix + name: obs for name, obs in part._own_observers().items()})
+        return out
+
+    def _own_observers(self) -> dict[str, Observer]:
+        return observers_in(self)  # call_module, lowered op call or batched call (runtime/lower.py)
+
+    def _clock(self) -> Clock | None:
+        space = getattr(self, NAMESPACE, None)
+        if space is None:
+            return None
+        return next((m for m in space.children() if isinstance(m, Clock)), None)
+
+    def _own_notes(self) -> list[str]:
+        notes = list(self.trace_info.notes)
+        for res in self.pass_results:
+            notes.extend(f"{res.pass_name}: {n}" for n in res.notes)
+        return notes
+
+    def _part_report(self) -> Report:
+        """This graph's own observations, as if it were the whole model."""
+        info = self.trace_info
+        clock = self._clock()
+        return build_report(
+            self,
+            auto_leaves={k: str(v) for k, v in info.auto_leaves.items()},
+            frontend=info.frontend,
+            notes=self._own_notes(),
+            calls=clock.calls if clock is not None else 0,
+        )
+
+    def _summary_notes(self) -> list[str]:
+        """Notes about the capture as a whole, beyond its parts' own (none for a single graph)."""
+        return []
+
+    def report(self, all_ranks: bool = False, **options: Any) -> Report:
+        """What the observe passes saw since the last ``reset()`` (reading it syncs the device).
+
+        ``all_ranks=True`` merges every torch.distributed rank's statistics (call it on every rank;
+        options ``group=``, ``timeout=``): see ``fxdebug.distributed``.
+        """
+        if all_ranks:
+            return merged_report(self, **options)
+        if options:
+            raise ArgumentTypeError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
+        reports = {path: part._part_report() for path, part in self.parts().items()}
+        merged = merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
+        return explain_eager_origin(self, merged)  # a NaN made between captured parts
+
+    def reset(self) -> None:
+        """Forget every statistic collected so far."""
+        for part in self.parts().values():
+            for obs in part._own_observers().values():
+                obs.reset()
+            clock = part._clock()
+            if clock is not None:
+                clock.reset()
+
+    def learn_shapes(self, example_inputs: Any) -> None:
+        """Run ``example_inputs`` once to write every node's shape, dtype and device into its meta."""
+        PassContext(example_inputs).specs(self)
+
+    def to_module(self, shrink: bool = False) -> nn.Module:
+        """A plain, shippable ``GraphModule``: observers removed, transforms kept (``fxdebug.instrumented.to_module``).
+
+        ``shrink=True`` also removes pruned channels physically (``fxdebug.instrumented.shrink``).
+        """
+        return plain_module(self, shrink=shrink)
+
+    def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
+        """Draw the annotated graph to ``path`` (SVG); see ``fxdebug.render``."""
+        if example_inputs is not None:
+            self.learn_shapes(example_inputs)
+        report = kwargs.pop("report", None)
+        if report is None and self.observers():
+            report = self.report()
+        return draw(self, path, report=report, parts=self.parts(), **kwargs)
+
+    def retrace(self) -> "Instrumented":
+        """A new ``Instrumented`` over the same model objects, with its own copy of fxdebug's modules.
+
+        ``fxdebug.trace`` of an instrumented module returns this: the passes run so far are kept.
+        """
+        with warnings.catch_warnings():  # torch's own deepcopy of an export graph's pytree spec warns
+            warnings.simplefilter("ignore", FutureWarning)
+            graph = copy.deepcopy(self.graph)
+        for node in graph.nodes:  # Graph.__deepcopy__ copies node.meta shallowly: own fxdebug's dicts
+            if KEY in node.meta:
+                node.meta[KEY] = copy.deepcopy(node.meta[KEY])
+        record = graph_record(self)
+        res = Instrumented(self, graph, class_name=record.model_type)
+        _adopt_hierarchy(res, self)
+        if NAMESPACE in self._modules:
+            res._modules[NAMESPACE] = copy.deepcopy(self._modules[NAMESPACE])
+            res.recompile()
+        res.meta[KEY] = record.copy()
+        return res
+
+    # -- copying and saving ---------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> "Instrumented":
+        with warnings.catch_warnings():  # copying an export graph's TreeSpecs trips torch's LeafSpec deprecation
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            res = super().__deepcopy__(memo)
+        assert isinstance(res, Instrumented)
+        _adopt_hierarchy(res, _Holder(
+            OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items()),
+            OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._parameters.items()),
+            OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._buffers.items()),
+            set(self._non_persistent_buffers_set), self.training))
+        return res
+
+    def __reduce__(self) -> Any:
+        holder = (dict(self._modules), dict(self._parameters), dict(self._buffers),
+                  set(self._non_persistent_buffers_set), self.training)
+        extras = {k: v for k, v in self.__dict__.items()
+                  if not k.startswith("_") and k not in ("training", "meta") and not callable(v)}
+        return (_load_instrumented, (serialize_graph(self.graph), holder, self.meta, extras,
+                                     encode_pytree_info(self.graph)))
+
+
+class _Holder(nn.Module):
+    """A bare module carrying a hierarchy, used to rebuild an ``Instrumented``."""
+
+    def __init__(self, modules: Any, params: Any, buffers: Any, non_persistent: set[str], training: bool) -> None:
+        super().__init__()
+        self._modules = OrderedDict(modules)
+        self._parameters = OrderedDict(params)
+        self._buffers = OrderedDict(buffers)
+        self._non_persistent_buffers_set = set(non_persistent)
+        self.training = training
+
+
+def _adopt_hierarchy(gm: GraphModule, model: nn.Module) -> None:
+    """Make ``gm``'s children, parameters and buffers exactly ``model``'s (same objects).
+
+    ``GraphModule`` keeps only what the graph references, under fresh containers; adopting the
+    whole hierarchy keeps ``state_dict()`` keys identical to the model's (unused layers included)
+    and keeps fxdebug's own modules under the ``fxdebug`` attribute.
+    """
+    ours = gm._modules.get(NAMESPACE)
+    gm._modules = OrderedDict(model._modules)
+    if ours is not None and NAMESPACE not in gm._modules:
+        gm._modules[NAMESPACE] = ours
+    # The root's own parameter and buffer dicts are shared, not copied: model.to(device) replaces
+    # Parameter objects in place in that dict, and the instrumented module must see the new ones.
+    # fxdebug registers nothing at the root (its state lives under the namespace), so sharing is safe.
+    gm._parameters = model._parameters
+    gm._buffers = model._buffers
+    gm._non_persistent_buffers_set = model._non_persistent_buffers_set
+    gm.training = model.training
+    # The root's own hooks are the model's (same dicts): a graph holds the forward only, and the
+    # model's forward/backward hooks and pre-hooks run around it at every call, as around the model.
+    for name in _ROOT_HOOKS:
+        if name in model.__dict__:
+            object.__setattr__(gm, name, model.__dict__[name])
+
+
+_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any],
+                       pytree_info: Any = None) -> Instrumented:
+    root = _Holder(*holder)
+    for k, v in extras.items():
+        setattr(root, k, v)
+    graph = deserialize_graph(rows, pytree_info)
+    gm = Instrumented(root, graph, class_name=meta.get(KEY, {}).get("model_type", "GraphModule"))
+    _adopt_hierarchy(gm, root)
+    gm.meta = meta
+    return gm
+
+

@@ -1,0 +1,376 @@
+"""``Report.findings()``: what in a report deserves attention, as typed findings a person acts on.
+
+Each finding names the node and module, the figure that triggered it, the rule (with its
+threshold) and a suggested fix. Kinds, in the order they are listed:
+
+==========================  ==================================================================
+``CheckFailed``             a batch failed a check (shape, device, raise-mode NaN) in ``collect``
+``NonFiniteOrigin``         the first node that turned finite inputs into NaN/Inf (forward), or
+                            where a non-finite gradient entered (backward)
+``DeadActivations``         an activation (ReLU, GELU, ...) whose share of never-positive
+                            channels is at least ``dead`` (default 0.5)
+``ExplodingGradients``      max |gradient| above ``exploding`` (default 1e3) over a run of nodes
+``VanishingGradients``      max |gradient| below ``vanishing`` (default 1e-7) over a run of nodes,
+                            e.g. "gradients vanish at and below layer1.1: max |g| 2e-9"
+``HotSpot``                 any other probe column declared with the ``COLOR`` role whose value
+                            reaches its declared threshold
+==========================  ==================================================================
+
+Gradient figures are parameter gradients (``ParamGrads``: what ``plot_grad_flow`` reads) where the
+report has them, else the gradients of node outputs (``StatCollector(grads=True)``). Thresholds
+are keyword arguments of ``Report.findings`` (``FindingRules`` holds the defaults).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+__all__ = [
+    "CheckFailed",
+    "DeadActivations",
+    "ExplodingGradients",
+    "Finding",
+    "FindingRules",
+    "HotSpot",
+    "NonFiniteOrigin",
+    "VanishingGradients",
+    "activation_row",
+    "dead_rows",
+    "find",
+    "grad_figures",
+]
+
+_ACTIVATIONS = frozenset({
+    "relu", "relu6", "leaky_relu", "leakyrelu", "rrelu", "prelu", "gelu", "silu", "swish", "elu", "selu", "celu",
+    "hardswish", "hardsigmoid", "mish", "softplus", "hardtanh", "sigmoid", "tanh", "glu", "quick_gelu"})
+
+
+def activation_row(row: dict[str, Any]) -> bool:
+    """Whether ``row``'s op is an activation function (where a dead fraction means dead units).
+
+    Reads the op label: ``ReLU`` (a module), ``F.relu`` / ``torch.relu`` / ``.relu_`` (calls),
+    ``aten.relu.default`` (export graphs).
+    """
+    op = str(row.get("op") or "").lower()
+    if op.startswith("aten."):
+        op = op.split(".")[1] if op.count(".") >= 1 else op
+    name = op.rsplit(".", 1)[-1].rstrip("_")
+    return name in _ACTIVATIONS
+
+
+@dataclass(frozen=True)
+class FindingRules:
+    """Thresholds of the findings (documented defaults; override per call of ``Report.findings``).
+
+    Attributes:
+        vanishing: a max |gradient| below this is vanishing (float32 updates of that size do
+            not change weights of order 1e-1..1: ``1e-7 ~ eps * 1``).
+        exploding: a max |gradient| above this is exploding (an SGD step at lr 1e-3 would move a
+            weight by more than 1).
+        dead: an activation with at least this share of channels never positive is dead.
+        max_findings: at most this many findings of one kind (the worst first).
+    """
+
+    vanishing: float = 1e-7
+    exploding: float = 1e3
+    dead: float = 0.5
+    max_findings: int = 8
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a report says needs attention.
+
+    Attributes:
+        node: the node it is about (for a run of nodes: the one named in the message).
+        module: that node's module path (``""`` for the root).
+        figure: the number that triggered it (a fraction, a gradient magnitude, a call index).
+        message: one sentence naming node, module and figure.
+        fix: what to try.
+        nodes: every node the finding covers (a run of vanishing layers), in graph order.
+    """
+
+    kind: ClassVar[str] = "finding"
+    severity: ClassVar[str] = "warning"
+    node: str | None
+    module: str
+    figure: float | None
+    message: str
+    fix: str
+    nodes: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return f"{self.message} Fix: {self.fix}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "severity": self.severity, "node": self.node, "module": self.module,
+                "figure": self.figure, "message": self.message, "fix": self.fix, "nodes": list(self.nodes)}
+
+
+class CheckFailed(Finding):
+    kind = "check_failed"
+    severity = "error"
+
+
+class NonFiniteOrigin(Finding):
+    kind = "nonfinite_origin"
+    severity = "error"
+
+
+class ExplodingGradients(Finding):
+    kind = "exploding_gradients"
+
+
+class VanishingGradients(Finding):
+    kind = "vanishing_gradients"
+
+
+class DeadActivations(Finding):
+    kind = "dead_activations"
+
+
+class HotSpot(Finding):
+    kind = "hot_spot"
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return "-"
+    if v == 0 or not math.isfinite(v):
+        return str(v) if v else "0"
+    return f"{v:.2g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.1e}"
+
+
+def _mod(row: dict[str, Any]) -> str:
+    return row.get("module") or ""
+
+
+def _where(row: dict[str, Any]) -> str:
+    return f"node '{row['node']}' (module {_mod(row) or '<root>'}, {row.get('op')})"
+
+
+# -- gradient figures -------------------------------------------------------------------------------
+PARAM_MAX = "param_grad_max_abs"
+PARAM_MEAN = "param_grad_mean_abs"
+PARAM_NORM = "param_grad_norm"
+
+
+def grad_figures(report: Any) -> tuple[str, list[tuple[dict[str, Any], float, float | None]]]:
+    """``(source, [(row, max |g|, mean |g|), ...])`` in graph order; source is ``"parameter"`` when
+    parameter-gradient statistics (``ParamGrads``) are present, else ``"activation"``."""
+    rows = report.rows
+    if any(_num(r.get(PARAM_MAX)) is not None for r in rows):
+        return "parameter", [(r, float(r[PARAM_MAX]), _num(r.get(PARAM_MEAN))) for r in rows
+                             if _num(r.get(PARAM_MAX)) is not None]
+    out = []
+    for r in rows:
+        lo, hi = _num(r.get("grad_min")), _num(r.get("grad_max"))
+        if lo is None or hi is None:
+            continue
+        out.append((r, max(abs(lo), abs(hi)), _num(r.get("grad_mean_abs"))))
+    return "activation", out
+
+
+def _runs(items: list[tuple[dict[str, Any], float, float | None]], bad: Any) -> Iterator[list[tuple[dict[str, Any], float, float | None]]]:
+    run: list[tuple[dict[str, Any], float, float | None]] = []
+    for item in items:
+        if bad(item[1]):
+            run.append(item)
+        elif run:
+            yield run
+            run = []
+    if run:
+        yield run
+
+
+def _gradient_findings(report: Any, rules: FindingRules) -> list[Finding]:
+    source, items = grad_figures(report)
+    items = [it for it in items if math.isfinite(it[1])]  # non-finite gradients are the origin's business
+    what = "parameter gradients" if source == "parameter" else "gradients"
+    out: list[Finding] = []
+    for run in _runs(items, lambda g: g > rules.exploding):
+        worst = max(run, key=lambda it: it[1])
+        top = run[0][0]  # gradients grow towards the input: the first of the run is where it ends up largest
+        span = f"from {run[0][0]['node']} to {run[-1][0]['node']}" if len(run) > 1 else f"at {run[0][0]['node']}"
+        out.append(ExplodingGradients(
+            node=worst[0]["node"], module=_mod(worst[0]), figure=worst[1], nodes=tuple(it[0]["node"] for it in run),
+            message=f"{what} explode {span} ({len(run)} node(s)): max |g| {_fmt(worst[1])} at {_where(worst[0])}, "
+                    f"above {_fmt(rules.exploding)}; the first of the run is {top['node']}.",
+            fix="clip gradients (torch.nn.utils.clip_grad_norm_), lower the learning rate or the loss scale, and "
+                "check the initialisation and normalisation of these layers."))
+    for run in _runs(items, lambda g: g < rules.vanishing):
+        last = run[-1][0]  # closest to the loss: below it nothing learns
+        worst = max(run, key=lambda it: it[1])
+        below = "below" if run[0] is items[0] else "between"
+        span = (f"at and below {_mod(last) or last['node']}" if below == "below" else
+                f"from {run[0][0]['node']} to {last['node']}")
+        out.append(VanishingGradients(
+            node=last["node"], module=_mod(last), figure=worst[1], nodes=tuple(it[0]["node"] for it in run),
+            message=f"{what} vanish {span}: max |g| {_fmt(worst[1])} over {len(run)} node(s) up to {_where(last)}, "
+                    f"below {_fmt(rules.vanishing)}.",
+            fix="look for a saturating activation, a dead ReLU or a detach/zero gradient scale right after "
+                f"{last['node']}; add residual connections or normalisation, or re-initialise those layers."))
+    return out
+
+
+# -- the other kinds --------------------------------------------------------------------------------
+_OP_FIX = {
+    "log": "clamp its input first (x.clamp_min(eps)) or use log1p / log_softmax",
+    "sqrt": "clamp its input to >= eps before sqrt (the gradient of sqrt at 0 is Inf)",
+    "rsqrt": "add eps inside rsqrt",
+    "div": "guard the denominator (x / (y + eps)) or check why it reaches 0",
+    "truediv": "guard the denominator (x / (y + eps)) or check why it reaches 0",
+    "exp": "subtract the max first (logsumexp / softmax do it) or compute in float32",
+    "pow": "check for negative bases with fractional exponents and for overflow",
+    "softmax": "use a large negative instead of -inf for masked rows (a fully masked row gives NaN)",
+}
+
+
+def _op_fix(row: dict[str, Any], phase: str) -> str:
+    op = str(row.get("op") or "").lower()
+    for key, fix in _OP_FIX.items():
+        if key in op:
+            return fix + "."
+    if phase == "backward":
+        return ("check the backward of the ops that use this value (nonfinite_grad_from); clamp their inputs "
+                "away from singular points.")
+    return "check this op's inputs (min/max in the report); in half precision check for overflow."
+
+
+def _input_mins(gm: Any, name: str, report: Any) -> str:
+    """``"; its input 'x' has min -0.3"`` from the rows of ``name``'s inputs, when the graph is known."""
+    if gm is None or not hasattr(gm, "graph"):
+        return ""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    if node is None:
+        return ""
+    parts = []
+    for a in node.all_input_nodes:
+        if _has(report, a.name) and _num(report.row(a.name).get("min")) is not None:
+            parts.append(f"'{a.name}' has min {_fmt(float(report.row(a.name)['min']))}")
+    return ("; its input " + ", ".join(parts)) if parts else ""
+
+
+def _nonfinite_findings(report: Any, gm: Any = None) -> list[Finding]:
+    out: list[Finding] = []
+    for phase, name in (("forward", getattr(report, "first_nonfinite", None)),
+                        ("backward", getattr(report, "first_nonfinite_grad", None))):
+        if name is None:
+            continue
+        try:
+            row = report.row(name)
+        except KeyError:
+            row = {"node": name, "module": "", "op": "?"}
+        first = _num(row.get("nonfinite_first_call" if phase == "forward" else "grad_nonfinite_first_call"))
+        via = list(getattr(report, "nonfinite_grad_from", []) or []) if phase == "backward" else []
+        text = (f"NaN/Inf origin (forward): {_where(row)} turned finite inputs into NaN/Inf"
+                if phase == "forward" else
+                f"NaN/Inf origin (backward): a non-finite gradient entered at {_where(row)}"
+                + (f", from the backward of {', '.join(via)}" if via else ""))
+        if first is not None:
+            text += f", first in call {int(first)}"
+        if phase == "forward":
+            text += _input_mins(gm, name, report)
+        out.append(NonFiniteOrigin(node=name, module=_mod(row), figure=first, message=text + ".",
+                                   fix=_op_fix(report.row(via[0]) if via and _has(report, via[0]) else row, phase)))
+    return out
+
+
+def _has(report: Any, node: str) -> bool:
+    try:
+        report.row(node)
+    except KeyError:
+        return False
+    return True
+
+
+def dead_rows(report: Any, threshold: float = FindingRules.dead) -> list[dict[str, Any]]:
+    """Activation rows whose dead fraction is at least ``threshold``."""
+    return [r for r in report.rows if activation_row(r) and (_num(r.get("dead_frac")) or 0.0) >= threshold]
+
+
+def _dead_findings(report: Any, rules: FindingRules) -> list[Finding]:
+    rows = sorted(dead_rows(report, rules.dead), key=lambda r: -float(r["dead_frac"]))
+    return [DeadActivations(
+        node=r["node"], module=_mod(r), figure=float(r["dead_frac"]), nodes=(r["node"],),
+        message=f"dead channels: {_where(r)}: {100 * float(r['dead_frac']):.0f}% of its "
+                f"{r.get('channels', '')}{' ' if r.get('channels') else ''}channels never positive over "
+                f"{r.get('calls', '?')} call(s) (threshold {100 * rules.dead:.0f}%).",
+        fix=f"swap it for LeakyReLU (SwapActivation(only_dead={rules.dead}, where='{r['node']}')), lower the learning "
+            "rate, or check the bias/initialisation of the layer before it.") for r in rows]
+
+
+def _hot_spots(report: Any) -> list[Finding]:
+    from fxdebug.runtime.columns import COLOR
+
+    columns_with = getattr(report, "columns_with", None)
+    if columns_with is None:
+        return []
+    out: list[Finding] = []
+    for col in columns_with(COLOR):
+        if col.key == "dead_frac" or col.threshold is None:
+            continue  # dead fractions are judged with the activation rule above
+        for r in report.rows:
+            v = _num(r.get(col.key))
+            if v is not None and v >= col.threshold:
+                label = col.label or col.key
+                out.append(HotSpot(node=r["node"], module=_mod(r), figure=v, nodes=(r["node"],),
+                                   message=f"{label} {_fmt(v)} at {_where(r)} reaches its threshold {_fmt(col.threshold)}"
+                                           + (f" ({col.doc})" if col.doc else "") + ".",
+                                   fix=f"look at {r['node']} first: the {label} column marks the nodes that "
+                                       "stand out (see the probe that declares it)."))
+    return out
+
+
+def _failure(report: Any) -> list[Finding]:
+    exc = getattr(report, "failure", None)
+    if exc is None:
+        return []
+    message = getattr(exc, "message", None) or str(exc)
+    kind = type(exc).__name__
+    fix = {"ShapeMismatchError": "fix the layer's size or the input shape as the message says.",
+           "DeviceMismatchError": "move the model and the batch to one device (model.to(device), batch.to(device)).",
+           "NonFiniteError": "see the NaN/Inf origin; run NaNCheck(mode='record') to see the whole picture."}.get(
+        kind, "see the message.")
+    node = getattr(exc, "node", None)
+    module = getattr(exc, "module", None) or ""
+    return [CheckFailed(node=node, module=module, figure=None, nodes=(node,) if node else (),
+                        message=f"{kind}: {message}", fix=fix)]
+
+
+def find(report: Any, *, vanishing: float | None = None, exploding: float | None = None, dead: float | None = None,
+         max_findings: int | None = None, gm: Any = None) -> list[Finding]:
+    """The findings of ``report`` (see the module docstring); thresholds default to ``FindingRules``.
+
+    ``gm``: the instrumented module, when at hand: the NaN/Inf origin then also names its inputs'
+    minimum (``log`` of an input whose min is -0.3)."""
+    base = FindingRules()
+    declared = report.column("dead_frac") if hasattr(report, "column") else None
+    if dead is None and declared is not None and declared.threshold is not None:
+        dead = float(declared.threshold)  # the collector's own hot-spot threshold (StatCollector: 0.5)
+    rules = FindingRules(
+        vanishing=base.vanishing if vanishing is None else vanishing,
+        exploding=base.exploding if exploding is None else exploding,
+        dead=base.dead if dead is None else dead,
+        max_findings=base.max_findings if max_findings is None else max_findings,
+    )
+    if not 0 < rules.vanishing < rules.exploding:
+        from fxdebug.errors import UsageError
+
+        raise UsageError(f"findings(vanishing={rules.vanishing}, exploding={rules.exploding}): need 0 < vanishing < exploding.")
+    groups = [_failure(report), _nonfinite_findings(report, gm), _dead_findings(report, rules),
+              _gradient_findings(report, rules), _hot_spots(report)]  # causes (dead units) before symptoms
+    out: list[Finding] = []
+    for group in groups:
+        by_kind: dict[str, int] = {}
+        for f in group:
+            by_kind[f.kind] = by_kind.get(f.kind, 0) + 1
+            if by_kind[f.kind] <= rules.max_findings:
+                out.append(f)
+    return out

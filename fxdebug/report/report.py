@@ -1,0 +1,313 @@
+"""``Report``: what the instrumentation saw, one row per observed node, in graph order.
+
+Building a report is the one place fxdebug reads device values back to the host. Rows are plain
+dicts (``node``, ``module``, ``op``, ``shape``, ``dtype``, ``device``, then whatever the probes
+summarised). Which key means what comes from the probes' column declarations (``Column``,
+``Probe.columns``): ``Report.columns`` lists them, and the NaN/Inf origin is derived from the
+columns with the ``ORIGIN`` role:
+
+* forward: the first node, in execution order, among those that saw non-finite values in the
+  earliest call that saw any — its inputs were finite, so it is where the values went bad;
+* backward: gradients flow in reverse, so among the nodes whose output gradient went non-finite
+  in the earliest such call, the *last* in graph order is where the bad gradient entered:
+  ``first_nonfinite_grad`` names it. The op whose backward computed that gradient is one of its
+  users (``nonfinite_grad_from`` lists them): e.g. ``sqrt`` at 0 has a finite output gradient
+  but sends Inf into its input, so the input's producer is reported and ``sqrt`` is among
+  ``nonfinite_grad_from``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from torch.fx import GraphModule, Node
+
+from fxdebug.runtime.columns import NONFINITE, ORIGIN, Column, columns_with, resolve_columns
+from fxdebug.graph.meta import is_instrumentation, module_path, op_label
+from fxdebug.runtime.lower import observers_in
+from fxdebug.runtime.kernel import backend, fallback_reason
+
+__all__ = ["Report", "build_report", "merge_reports"]
+
+
+@dataclass
+class Report:
+    rows: list[dict[str, Any]]
+    first_nonfinite: str | None = None
+    first_nonfinite_grad: str | None = None
+    nonfinite_grad_from: list[str] = field(default_factory=list)
+    auto_leaves: dict[str, str] = field(default_factory=dict)
+    frontend: str = "symbolic"
+    notes: list[str] = field(default_factory=list)
+    calls: int = 0
+    columns: list[Column] = field(default_factory=lambda: resolve_columns(()))
+    failure: Any = None  # the FxDebugError that stopped fxdebug.collect(), if one did
+
+    # -- lookup ---------------------------------------------------------------------------------
+    def row(self, node: str) -> dict[str, Any]:
+        """The row of node ``node`` (KeyError naming the known nodes otherwise)."""
+        for r in self.rows:
+            if r["node"] == node:
+                return r
+        raise KeyError(f"no row for node {node!r}; observed nodes: {[r['node'] for r in self.rows][:20]}")
+
+    def __getitem__(self, node: str) -> dict[str, Any]:
+        return self.row(node)
+
+    def column(self, key: str) -> Column | None:
+        """The declaration of row key ``key`` (``None`` for a key no probe declared)."""
+        return next((c for c in self.columns if c.key == key), None)
+
+    def columns_with(self, role: str, phase: str | None = None) -> list[Column]:
+        """Declared columns holding ``role`` (``fxdebug.ORIGIN``, ``COLOR``, ...), of ``phase`` if given."""
+        return columns_with(self.columns, role, phase)
+
+    def nonfinite_in(self, row: dict[str, Any], phase: str | None = None) -> bool:
+        """Whether ``row`` saw a non-finite value, by its ``NONFINITE`` and ``ORIGIN`` columns."""
+        return any(row.get(c.key) for c in self.columns_with(NONFINITE, phase)) or any(
+            row.get(c.key) is not None for c in self.columns_with(ORIGIN, phase))
+
+    @property
+    def nonfinite_nodes(self) -> list[str]:
+        """Nodes whose output went non-finite in some forward call, in graph order."""
+        return [r["node"] for r in self.rows if self.nonfinite_in(r, "forward")]
+
+    @property
+    def history(self) -> Any:
+        """With ``Recorder`` / ``NaNCheck(history=N)``: the last N calls' per-node statistics."""
+        from fxdebug.numerics.recorder import history_of
+
+        return history_of(self.rows)
+
+    @property
+    def precision_origin(self) -> str | None:
+        """With ``Shadow``: the node where the accumulated relative error grew most (``err_growth``)."""
+        from fxdebug.numerics.shadow import precision_origin
+
+        return precision_origin(self.rows)
+
+    @property
+    def ok(self) -> bool:
+        """No non-finite value seen, forward or backward."""
+        return self.first_nonfinite is None and self.first_nonfinite_grad is None and not any(
+            self.nonfinite_in(r) for r in self.rows)
+
+    # -- export ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "frontend": self.frontend,
+            "calls": self.calls,
+            "first_nonfinite": self.first_nonfinite,
+            "first_nonfinite_grad": self.first_nonfinite_grad,
+            "nonfinite_grad_from": self.nonfinite_grad_from,
+            "auto_leaves": self.auto_leaves,
+            "notes": self.notes,
+            "failure": None if self.failure is None else {
+                "error": type(self.failure).__name__, "node": getattr(self.failure, "node", None),
+                "module": getattr(self.failure, "module", None), "message": str(self.failure)},
+            "columns": [c.to_dict() for c in self.columns],
+            "rows": self.rows,
+        }
+
+    def to_json(self, path: str | None = None, **kwargs: Any) -> str:
+        text = json.dumps(_jsonable(self.to_dict()), indent=kwargs.pop("indent", 2), **kwargs)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+    def to_dataframe(self) -> Any:
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Report.to_dataframe() needs pandas: pip install 'fxdebug[report]' (or pip install pandas).") from None
+        keys = [c.key for c in self.columns]
+        present = {k for r in self.rows for k in r}
+        order = [k for k in keys if k in present] + sorted(present - set(keys))
+        df = pd.DataFrame(self.rows, columns=order)
+        df.attrs["fxdebug_columns"] = {c.key: c.to_dict() for c in self.columns if c.key in present}
+        return df
+
+    def __str__(self) -> str:
+        from fxdebug.report.table import format_report
+
+        return format_report(self)
+
+    # -- reading it (logic in fxdebug/findings.py, tensorboard.py, table.py) ---------------------
+    def findings(self, **thresholds: Any) -> list[Any]:
+        """Typed findings (NaN/Inf origin, vanishing/exploding gradients, dead activations, failed
+        checks), each naming node, module, figure and fix; thresholds: ``vanishing=``,
+        ``exploding=``, ``dead=`` (see ``fxdebug.report.findings.FindingRules``)."""
+        from fxdebug.report.findings import find
+
+        return find(self, **thresholds)
+
+    def to_tensorboard(self, writer: Any, step: int = 0, **options: Any) -> int:
+        """Per-node scalars and histograms to a TensorBoard ``SummaryWriter``, tags grouped by
+        module path (see ``fxdebug.report.tensorboard``); returns the number of values written."""
+        from fxdebug.report.tensorboard import to_tensorboard
+
+        return to_tensorboard(self, writer, step, **options)
+
+    def table(self, cols: Sequence[str] | None = None, *, width: int | None = None, max_rows: int = 400) -> str:
+        """The text table with the columns ``cols`` (row keys, in that order; default: every shown
+        column that fits ``width``, the terminal's width when printing to one)."""
+        from fxdebug.report.table import format_report
+
+        return format_report(self, max_rows, cols=cols, width=width)
+
+    def __repr__(self) -> str:
+        return (f"Report({len(self.rows)} rows, calls={self.calls}, first_nonfinite={self.first_nonfinite!r}, "
+                f"first_nonfinite_grad={self.first_nonfinite_grad!r})")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def _base_row(node: Node) -> dict[str, Any]:
+    meta = node.meta.get("fxdebug", {})
+    row = {
+        "node": node.name,
+        "module": module_path(node),
+        "op": op_label(node),
+        "shape": tuple(meta["shape"]) if "shape" in meta else None,
+        "dtype": meta.get("dtype"),
+        "device": meta.get("device"),
+    }
+    for key in ("added_by", "changed_by", "auto_leaf"):
+        if key in meta:
+            row[key] = meta[key]
+    return row
+
+
+def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, frontend: str = "symbolic",
+                 notes: Sequence[str] = (), calls: int = 0) -> Report:
+    """Collect every observer's summary on ``gm`` into a ``Report`` (this syncs with the device)."""
+    nodes = list(gm.graph.nodes)
+    order = {n.name: i for i, n in enumerate(nodes)}
+    observers: dict[str, Any] = {}
+    declared: list[Column] = []
+    observers.update(observers_in(gm))  # call_module observers, lowered op calls, batched calls
+    rows = []
+    by_name = {n.name: n for n in nodes}
+    clocks = {id(o._clock): o._clock for o in observers.values() if o._clock is not None}
+    if observers:
+        with contextlib.ExitStack() as stack:
+            for clock in clocks.values():
+                stack.enter_context(clock.reading())  # one device-to-host copy of each state table
+            for name in sorted(observers, key=lambda k: order.get(k, 0)):
+                node = by_name.get(name)
+                if node is None:
+                    continue
+                row = _base_row(node)
+                obs = observers[name]
+                declared.extend(obs.columns())
+                row["calls"] = obs.calls or calls  # under torch.compile only the device clock counts
+                row.update(obs.summary())
+                rows.append(row)
+    else:
+        rows = [_base_row(n) for n in nodes if n.op in ("call_module", "call_function", "call_method") and not is_instrumentation(n)]
+    columns = resolve_columns(declared)
+    entered = _backward_origin(rows, columns)
+    notes = list(notes) + _runtime_notes(clocks.values())
+    return Report(
+        rows=rows,
+        first_nonfinite=_forward_origin(rows, columns),
+        first_nonfinite_grad=entered,
+        nonfinite_grad_from=_grad_producers(entered, by_name),
+        auto_leaves=dict(auto_leaves or {}),
+        frontend=frontend,
+        notes=list(notes),
+        calls=calls,
+        columns=columns,
+    )
+
+
+def merge_reports(parts: Mapping[str, Report], *, frontend: str = "symbolic", notes: Sequence[str] = ()) -> Report:
+    """One report over a capture's parts (``Instrumented.parts()``), in execution order.
+
+    Rows of the part at path ``p`` read ``p/node`` (module ``p.module``); the part ``""`` (a
+    single-graph capture) keeps its names. The NaN/Inf origins are derived over all rows, by the
+    same rules as for one graph.
+    """
+    rows: list[dict[str, Any]] = []
+    all_notes, leaves = list(notes), {}
+    grad_from: dict[str, list[str]] = {}
+    for path, rep in parts.items():
+        prefix = f"{path}/" if path else ""
+        for row in rep.rows:
+            rows.append(dict(row, node=prefix + row["node"], module=f"{path}.{row['module']}".strip("."))
+                        if path else row)
+        if rep.first_nonfinite_grad is not None:
+            grad_from[prefix + rep.first_nonfinite_grad] = [prefix + n for n in rep.nonfinite_grad_from]
+        all_notes.extend(f"{path}: {n}" if path else n for n in rep.notes)
+        leaves.update({(f"{path}.{k}" if path else k): v for k, v in rep.auto_leaves.items()})
+    columns = resolve_columns(c for rep in parts.values() for c in rep.columns)
+    entered = _backward_origin(rows, columns)
+    return Report(
+        rows=rows,
+        first_nonfinite=_forward_origin(rows, columns),
+        first_nonfinite_grad=entered,
+        nonfinite_grad_from=grad_from.get(entered, []) if entered is not None else [],
+        auto_leaves=leaves,
+        frontend=frontend,
+        notes=all_notes,
+        calls=max((rep.calls for rep in parts.values()), default=0),
+        columns=columns,
+    )
+
+
+def _runtime_notes(clocks: Any) -> list[str]:
+    """Say so when fused statistics on CPU ran on the pure-torch fallback instead of the C++ kernel."""
+    on_cpu = any(c.table is not None and c.table.device.type == "cpu" for c in clocks)
+    if on_cpu and backend() != "c++":
+        return [f"runtime: the C++ observation kernel is not available ({fallback_reason()}); the pure-torch "
+                "fallback computed the same statistics, more slowly."]
+    return []
+
+
+def _first_calls(rows: list[dict[str, Any]], columns: list[Column], phase: str) -> list[tuple[int, int]]:
+    """``(earliest call, row index)`` of every row that an ``ORIGIN`` column of ``phase`` marks."""
+    keys = [c.key for c in columns_with(columns, ORIGIN, phase)]
+    seen = []
+    for i, r in enumerate(rows):
+        calls = [r[k] for k in keys if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+        if calls:
+            seen.append((min(calls), i))
+    return seen
+
+
+def _forward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str | None:
+    seen = _first_calls(rows, columns, "forward")
+    if not seen:
+        return None
+    return rows[min(seen)[1]]["node"]
+
+
+def _backward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str | None:
+    seen = _first_calls(rows, columns, "grad")
+    if not seen:
+        return None
+    earliest = min(c for c, _ in seen)
+    return rows[max(i for c, i in seen if c == earliest)]["node"]
+
+
+def _grad_producers(entered: str | None, by_name: dict[str, Node]) -> list[str]:
+    """The users of ``entered``: one of their backward computations produced the bad gradient."""
+    node = by_name.get(entered) if entered is not None else None
+    if node is None:
+        return []
+    return [u.name for u in node.users if not is_instrumentation(u) and u.op != "output"]
