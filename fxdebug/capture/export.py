@@ -37,7 +37,9 @@ from torch.utils import _pytree as pytree
 from fxdebug.errors import MissingInputsError, ShapeMismatchError, TraceError
 from fxdebug.capture.faithful import clean_graph_meta
 from fxdebug.capture.faithful_export import export_shell, watched_export
+from fxdebug.graph.inputs import untouched_state
 from fxdebug.graph.meta import _clean_export_path, fx_meta
+from fxdebug.graph.module_state import refuse_uninitialized
 from fxdebug.capture.symbolic import TraceInfo
 
 __all__ = ["InputGuard", "capture_export"]
@@ -337,9 +339,10 @@ def capture_export(
     start = time.perf_counter()
     args, kwargs = inputs
     info = TraceInfo(frontend="export")
+    refuse_uninitialized(model, "export")
     shell = export_shell(model)  # the root's own hooks run at call time, not inside the graph
     try:
-        with watched_export(shell) as watch:
+        with untouched_state(model), watched_export(shell) as watch:
             program = _export(shell, args, kwargs, dynamic_batch, info.notes)
     except TraceError:
         raise

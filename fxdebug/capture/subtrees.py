@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxdebug.graph.inputs import CallInputs, preserved_state
+from fxdebug.graph.module_state import refuse_uninitialized
 from fxdebug.errors import MissingInputsError, UsageError
 from fxdebug.capture.faithful import sync_attributes, sync_tensors
 from fxdebug.instrumented.module import Instrumented
@@ -347,6 +348,7 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
             "run and on what, and none were given: pass example_inputs=(x,) (or a dict of keyword inputs).",
             op=type(model).__name__,
         )
+    refuse_uninitialized(model, "subtrees")
     start = time.perf_counter()
     seen, total_ops = _record(model, *inputs)
     captured, eager = _select(model, seen, options)

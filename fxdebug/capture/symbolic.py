@@ -29,7 +29,8 @@ from torch.fx import Graph, Tracer
 from fxdebug.errors import TraceError
 from fxdebug.capture.faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
 from fxdebug.capture.inplace_proxy import MutatingProxy
-from fxdebug.graph.inputs import Inputs, normalize_inputs
+from fxdebug.graph.inputs import Inputs, normalize_inputs, untouched_state
+from fxdebug.graph.module_state import refuse_uninitialized
 from fxdebug.graph.meta import fx_meta
 
 __all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
@@ -83,6 +84,25 @@ class _FailureLocatingTracer(Tracer):
         self._leaves = leaves
         self.fxdebug_reads: dict[Any, Any] = {}  # plain attributes forward read (faithful.patched_for_tracing)
         self.hooked: set[str] = set()
+        # buffers are graph inputs (get_attr), not constants folded at trace time: arithmetic over them
+        # (FrozenBatchNorm's rsqrt of running_var) follows a later load_state_dict, and an in-place update
+        # (self.step.add_(1)) runs at every call instead of once while tracing
+        self.proxy_buffer_attributes = True
+        self._buffer_names: dict[int, str] | None = None
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
+            if self._buffer_names is None:  # torch searches named_buffers() at every read: one map instead
+                self._buffer_names = {}
+                for name, buf in self.root.named_buffers():
+                    self._buffer_names.setdefault(id(buf), name)
+            name = self._buffer_names.get(id(attr_val))
+            if name is None:
+                return attr_val
+            if name not in parameter_proxy_cache:
+                parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+            return parameter_proxy_cache[name]
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def trace(self, root: Any, concrete_args: Any = None) -> Graph:
         # autograd.Functions, grad-mode/autocast regions and attribute writes: see fxdebug.capture.faithful
@@ -214,8 +234,11 @@ def capture_symbolic(
         info.notes.append(f"arguments left at None are pinned to None in the graph: {sorted(concrete)}")
     max_attempts = sum(1 for _ in model.named_modules()) + 2
     own_attributes = set(model.__dict__)
+    if inputs is not None:  # the pipeline runs them on the graph: a lazy module would materialize
+        refuse_uninitialized(model, "symbolic")
     try:
-        graph = _trace_with_leaves(model, inputs, leaves, concrete, info, auto_leaf, max_attempts)
+        with untouched_state(model):  # forward's Python runs once: random draws, list appends leave no trace
+            graph = _trace_with_leaves(model, inputs, leaves, concrete, info, auto_leaf, max_attempts)
     finally:
         # FX stores tensors created in forward (torch.ones(4)) on the root as _tensor_constant*;
         # take them back off the user's model, which fxdebug never mutates.

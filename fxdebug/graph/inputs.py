@@ -19,9 +19,17 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_map
 
 from fxdebug.errors import MissingInputsError
-from fxdebug.graph.module_state import restore_plain_state, saved_plain_state
+from fxdebug.graph.module_state import (
+    restore_containers,
+    restore_plain_state,
+    restore_random_state,
+    saved_containers,
+    saved_plain_state,
+    saved_random_state,
+)
 
-__all__ = ["CallInputs", "Inputs", "bind_inputs", "clone_inputs", "normalize_inputs", "preserved_state"]
+__all__ = ["CallInputs", "Inputs", "bind_inputs", "clone_inputs", "normalize_inputs", "preserved_state",
+           "untouched_state"]
 
 CallInputs = tuple[tuple[Any, ...], dict[str, Any]]  # normalised example inputs: (args, kwargs)
 
@@ -91,11 +99,17 @@ def clone_inputs(values: Any) -> Any:
 
 
 @contextlib.contextmanager
-def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Run code against ``module`` and put its buffers and the RNG streams back afterwards."""
-    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-    plain = saved_plain_state(module)  # Python counters a forward advances (self.calls += 1)
-    entries = [(m, dict(m._buffers)) for m in module.modules()]  # a forward may rebind one (self.avg = ...)
+def untouched_state(module: nn.Module) -> Iterator[None]:
+    """Run code against ``module`` and leave no trace in its Python state or any random stream.
+
+    Put back afterwards: plain attributes (``self.calls += 1``), the contents of the lists, dicts
+    and sets the modules hold (``self.cache.append(x)``), Python's and numpy's global random
+    streams, every generator a module holds (``self.gen = torch.Generator()``), and torch's own
+    CPU and CUDA streams.
+    """
+    plain = saved_plain_state(module)
+    containers = saved_containers(module)
+    streams = saved_random_state(module)
     tensors = list(module.parameters()) + list(module.buffers())
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their RNGs too
     with torch.random.fork_rng(devices=devices, enabled=True):
@@ -103,6 +117,19 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
             yield
         finally:
             restore_plain_state(plain)
+            restore_containers(containers)
+            restore_random_state(streams)
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Run code against ``module`` and put its buffers, Python state and the RNG streams back afterwards."""
+    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
+    entries = [(m, dict(m._buffers)) for m in module.modules()]  # a forward may rebind one (self.avg = ...)
+    with untouched_state(module):
+        try:
+            yield
+        finally:
             for m, bufs in entries:
                 if any(m._buffers.get(k) is not v for k, v in bufs.items()):
                     m._buffers.update(bufs)

@@ -7,11 +7,15 @@ it found it.
 
 from __future__ import annotations
 
+import random
+import sys
 from typing import Any
 
+import torch
 from torch import nn
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_CONTAINERS = (list, dict, set)
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__) | {"training"}
 
 
@@ -34,3 +38,94 @@ def restore_plain_state(saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
                 module.__dict__[k] = v
 
 
+
+
+def saved_containers(root: nn.Module) -> list[tuple[Any, Any]]:
+    """Shallow copies of the lists, dicts and sets the modules hold (``self.cache.append(x)``)."""
+    out: list[tuple[Any, Any]] = []
+    for m in root.modules():
+        for v in user_attributes(m).values():
+            if isinstance(v, _CONTAINERS):
+                out.append((v, v.copy()))
+    return out
+
+
+def restore_containers(saved: list[tuple[Any, Any]]) -> None:
+    """Put every saved container's contents back, in place (the same list/dict/set object)."""
+    for live, copy in saved:
+        if isinstance(live, list):
+            if len(live) != len(copy) or any(a is not b for a, b in zip(live, copy)):
+                live[:] = copy
+        elif isinstance(live, dict):
+            if live.keys() != copy.keys() or any(live[k] is not v for k, v in copy.items()):
+                live.clear()
+                live.update(copy)
+        elif live != copy:
+            live.clear()
+            live.update(copy)
+
+
+def _generators(root: nn.Module) -> list[Any]:
+    """Random generators the modules hold (``torch.Generator``, ``random.Random``, numpy's)."""
+    numpy = sys.modules.get("numpy")
+    kinds: tuple[type, ...] = (torch.Generator, random.Random)
+    if numpy is not None:
+        kinds = (*kinds, numpy.random.Generator, numpy.random.RandomState)
+    seen: dict[int, Any] = {}
+    for m in root.modules():
+        for v in user_attributes(m).values():
+            if isinstance(v, kinds):
+                seen.setdefault(id(v), v)
+    return list(seen.values())
+
+
+def saved_random_state(root: nn.Module | None = None) -> list[tuple[Any, Any]]:
+    """Python's and numpy's global random streams and every generator ``root`` holds.
+
+    torch's own global streams are forked by ``torch.random.fork_rng``; this covers the rest, so an
+    example run that draws ``random.random()`` or ``np.random.rand()`` leaves no trace.
+    """
+    saved: list[tuple[Any, Any]] = [(random, random.getstate())]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        saved.append((numpy.random, numpy.random.get_state()))
+    for g in _generators(root) if root is not None else ():
+        if isinstance(g, torch.Generator):
+            if g.device.type != "meta":
+                saved.append((g, g.get_state()))
+        elif isinstance(g, random.Random):
+            saved.append((g, g.getstate()))
+        elif numpy is not None and isinstance(g, numpy.random.Generator):
+            saved.append((g, g.bit_generator.state))
+        else:
+            saved.append((g, g.get_state()))
+    return saved
+
+
+def restore_random_state(saved: list[tuple[Any, Any]]) -> None:
+    numpy = sys.modules.get("numpy")
+    for owner, state in saved:
+        if owner is random or isinstance(owner, random.Random):
+            owner.setstate(state)
+        elif isinstance(owner, torch.Generator):
+            owner.set_state(state)
+        elif numpy is not None and isinstance(owner, numpy.random.Generator):
+            owner.bit_generator.state = state
+        else:  # numpy.random (the module) or a RandomState
+            owner.set_state(state)
+
+
+def refuse_uninitialized(root: nn.Module, frontend: str) -> None:
+    """Lazy modules (``nn.LazyLinear``) not yet run: a capture on example inputs would materialize them
+    on the user's model. Raise a ``TraceError`` naming the module instead."""
+    from torch.nn.parameter import is_lazy
+
+    from fxdebug.errors import TraceError
+
+    for path, m in root.named_modules():
+        if any(is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None):
+            raise TraceError(
+                f"module '{path or '<root>'}' ({type(m).__name__}) is a lazy module that has not run yet: its "
+                f"parameters have no shape. Capturing with frontend='{frontend}' runs the example inputs, which "
+                "would materialize it on your model (fxdebug never changes the model). Run the model once "
+                "first (model(*example_inputs)), then instrument it.", module=path, op=type(m).__name__)
