@@ -42,6 +42,7 @@ from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_sta
 from fxdebug.graph.select import Where, matches
 from fxdebug.capture.symbolic import Inputs, LeafInfo, TraceInfo
 from fxdebug.instrumented.verify import Verification, verify
+from fxdebug.training.guard import guard
 
 __version__ = "0.1.0"
 
@@ -75,6 +76,7 @@ __all__ = [
     "diff",
     "gradcheck",
     "graph_pass",
+    "guard",
     "instrument",
     "node_pass",
     "numerics",

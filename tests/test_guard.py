@@ -1,0 +1,227 @@
+"""fxdebug.guard: a non-finite step changes no weight and no optimizer state, without a host sync."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxdebug
+from fxdebug.passes import NaNCheck
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    "sgd-foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, foreach=True),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False),
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+}
+BAD = 3  # the planted batch
+
+
+class Net(nn.Module):
+    """An MLP with a side branch that can go NaN without touching any gradient (detached input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = torch.log(x.detach()[:, :1] + 10)  # NaN only when an input is below -10
+        return self.fc2(torch.relu(self.fc1(x))) + torch.nan_to_num(side, nan=0.0)
+
+
+def batches(n: int = 7, bad: int | None = BAD, value: float = float("nan")) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    out = [torch.randn(8, 6, generator=gen) for _ in range(n)]
+    if bad is not None:
+        out[bad] = out[bad].clone()
+        out[bad][2, 4] = value
+    return out
+
+
+def snapshot(model: nn.Module, opt: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+
+
+def assert_bitwise(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a, b.view(-1).view(torch.uint8) if b.numel() else b), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_bitwise(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a} != {b}"
+
+
+def train(kind: str, data: list[torch.Tensor], *, guarded: bool, skip: int | None = None, dbg_passes: Any = None,
+          check_bad: bool = False) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[kind](model.parameters())
+    run: nn.Module = model
+    dbg = None
+    if dbg_passes is not None:
+        dbg = run = fxdebug.instrument(model, passes=dbg_passes, example_inputs=(data[0],))
+    g = fxdebug.guard(opt, dbg=dbg) if guarded else opt
+    for i, x in enumerate(data):
+        if i == skip:
+            continue
+        before = snapshot(model, opt) if i == BAD and check_bad else None
+        run(x).square().mean().backward()
+        g.step()
+        g.zero_grad()
+        if before is not None:
+            after = snapshot(model, opt)
+            assert_bitwise(before[0], after[0], f"{kind}: weights after the bad step")
+            assert_bitwise(before[1], after[1], f"{kind}: optimizer state after the bad step")
+    return model, g
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_nan_batch_changes_nothing_and_the_run_continues_as_if_skipped(kind: str) -> None:
+    data = batches()
+    model, g = train(kind, data, guarded=True, check_bad=True)
+    assert int(g.skipped) == 1
+    assert g.skipped_steps == [{"step": BAD, "origin": None}]
+    ref, ref_opt = train(kind, data, guarded=False, skip=BAD)  # the plain optimizer, never shown the batch
+    assert_bitwise(ref.state_dict(), model.state_dict(), f"{kind}: weights")
+    assert_bitwise(ref_opt.state_dict(), g.state_dict(), f"{kind}: optimizer state")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "sgd-fused", "adam-foreach", "adamw-fused"])
+def test_a_bad_first_step_leaves_the_optimizer_as_if_it_never_ran(kind: str) -> None:
+    data = batches(4, bad=0, value=float("inf"))
+    torch.manual_seed(0)
+    model = Net()
+    g = fxdebug.guard(OPTIMIZERS[kind](model.parameters()))
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    model(data[0]).square().mean().backward()
+    g.step()
+    g.zero_grad()
+    assert_bitwise(init, model.state_dict(), "weights")
+    for x in data[1:]:
+        model(x).square().mean().backward()
+        g.step()
+        g.zero_grad()
+    with torch.no_grad():  # the reference: the same training without batch 0
+        pass
+    ref, ref_opt = train(kind, data, guarded=False, skip=0)
+    assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
+    assert_bitwise(ref_opt.state_dict()["state"], g.state_dict()["state"], "state")
+
+
+class CountSyncs(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default):
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+
+def syncs_in_step(opt: Any, model: nn.Module, x: torch.Tensor) -> int:
+    model(x).square().mean().backward()
+    with CountSyncs() as counter:
+        opt.step()
+    opt.zero_grad()
+    return counter.syncs
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_the_guard_adds_no_host_sync_to_step(kind: str) -> None:
+    data = batches()
+    torch.manual_seed(0)
+    model = Net()
+    plain = OPTIMIZERS[kind](model.parameters())
+    own = [syncs_in_step(plain, model, x) for x in data[:2]]  # non-fused Adam reads its own CPU step count
+    g = fxdebug.guard(OPTIMIZERS[kind](model.parameters()))
+    guarded = [syncs_in_step(g, model, x) for x in data[:BAD + 1]]
+    assert guarded == [own[-1]] * len(guarded)
+    if "fused" in kind or "sgd" in kind:
+        assert guarded == [0] * len(guarded)
+
+
+@pytest.mark.parametrize("kind", ["sgd-foreach", "adam", "adamw-fused"])
+def test_with_grad_scaler_the_step_is_sync_free_and_matches_the_scaler_alone(kind: str) -> None:
+    data = batches(value=float("inf"))
+
+    def run(guarded: bool) -> tuple[nn.Module, Any, Any, list[int]]:
+        torch.manual_seed(0)
+        model = Net()
+        opt = OPTIMIZERS[kind](model.parameters())
+        g = fxdebug.guard(opt) if guarded else opt
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        syncs = []
+        for i, x in enumerate(data):
+            before = snapshot(model, opt) if i == BAD else None
+            scaler.scale(model(x).square().mean()).backward()
+            with CountSyncs() as counter:
+                scaler.step(g)
+            syncs.append(counter.syncs)
+            scaler.update()
+            g.zero_grad()
+            if before is not None:
+                assert_bitwise(before[0], model.state_dict(), "weights after the bad step")
+                assert_bitwise(before[1]["state"], opt.state_dict()["state"], "state after the bad step")
+        return model, opt, scaler, syncs
+
+    model, opt, scaler, syncs = run(True)
+    ref, ref_opt, ref_scaler, _ = run(False)
+    assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
+    assert_bitwise(ref_opt.state_dict()["state"], opt.state_dict()["state"], "state")
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** 9
+    if "fused" in kind or "sgd" in kind:
+        assert syncs == [0] * len(data)
+
+
+def test_with_dbg_a_nan_in_a_watched_node_skips_the_step_and_names_the_node() -> None:
+    data = batches(value=-100.0)  # finite input: only the detached side branch goes NaN
+    plain_model, plain = train("adamw-foreach", data, guarded=True)
+    assert int(plain.skipped) == 0  # gradients stay finite: without dbg the step is taken
+    model, g = train("adamw-foreach", data, guarded=True, dbg_passes=[NaNCheck()], check_bad=True)
+    assert int(g.skipped) == 1
+    [skip] = g.skipped_steps
+    assert skip["step"] == BAD and skip["origin"] == "log"
+    rep = g.report()
+    assert rep.first_nonfinite == "log"
+    assert rep.skipped_steps == g.skipped_steps
+    assert any("step 3 skipped" in n and "log" in n for n in rep.notes)
+    ref, ref_opt = train("adamw-foreach", data, guarded=False, skip=BAD)
+    assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
+
+
+def test_the_guard_keeps_the_optimizer_face() -> None:
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = fxdebug.guard(opt)
+    assert g.param_groups is opt.param_groups and g.state is opt.state and g.defaults is opt.defaults
+    extra = nn.Parameter(torch.zeros(3))
+    g.add_param_group({"params": [extra], "lr": 0.5})
+    assert opt.param_groups[-1]["lr"] == 0.5
+    model(batches(1, bad=None)[0]).sum().backward()
+    extra.grad = torch.ones(3)
+    g.step()
+    sd = g.state_dict()
+    g2 = fxdebug.guard(torch.optim.AdamW(list(model.parameters()) + [extra], lr=1e-3))
+    g2.load_state_dict(sd)
+    assert_bitwise(sd["state"], g2.state_dict()["state"])
+    assert fxdebug.guard(g) is g
+    with pytest.raises(fxdebug.UsageError, match="torch.optim.Optimizer"):
+        fxdebug.guard(list(model.parameters()))  # type: ignore[arg-type]
