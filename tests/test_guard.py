@@ -44,7 +44,7 @@ def batches(n: int = 7, bad: int | None = BAD, value: float = float("nan")) -> l
     out = [torch.randn(8, 6, generator=gen) for _ in range(n)]
     if bad is not None:
         out[bad] = out[bad].clone()
-        out[bad][2, 4] = value
+        out[bad][2, 0] = value
     return out
 
 
@@ -118,8 +118,6 @@ def test_a_bad_first_step_leaves_the_optimizer_as_if_it_never_ran(kind: str) -> 
         model(x).square().mean().backward()
         g.step()
         g.zero_grad()
-    with torch.no_grad():  # the reference: the same training without batch 0
-        pass
     ref, ref_opt = train(kind, data, guarded=False, skip=0)
     assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
     assert_bitwise(ref_opt.state_dict()["state"], g.state_dict()["state"], "state")
@@ -219,7 +217,8 @@ def test_the_guard_keeps_the_optimizer_face() -> None:
     extra.grad = torch.ones(3)
     g.step()
     sd = g.state_dict()
-    g2 = fxdebug.guard(torch.optim.AdamW(list(model.parameters()) + [extra], lr=1e-3))
+    g2 = fxdebug.guard(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    g2.add_param_group({"params": [extra]})
     g2.load_state_dict(sd)
     assert_bitwise(sd["state"], g2.state_dict()["state"])
     assert fxdebug.guard(g) is g
