@@ -145,3 +145,167 @@ def test_a_buffer_counter_counts_every_call(frontend: str) -> None:
     base = model.fc(x).detach()
     for i, out in enumerate(outs, start=1):
         torch.testing.assert_close(out, base * i, rtol=0, atol=0)
+
+
+# -- 2. symbolic: full backward hooks and call signatures -------------------------------------------
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return self.fc(x) * y
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Inner()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.inner(x, x))
+
+
+def _triple(module: nn.Module, grad_in: Any, grad_out: Any) -> Any:
+    return tuple(None if g is None else g * 3 for g in grad_in)
+
+
+def _grads(module: nn.Module, x: Tensor) -> list[Tensor]:
+    x = x.clone().requires_grad_(True)
+    for p in module.parameters():
+        p.grad = None
+    module(x).sum().backward()
+    assert x.grad is not None
+    return [x.grad.clone(), *(p.grad.clone() for p in module.parameters() if p.grad is not None)]
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("where", ["root", "inner"])
+def test_full_backward_hook_keeps_its_semantics_or_is_refused(frontend: str, when: str, where: str) -> None:
+    model = Outer()
+    target = model if where == "root" else model.inner
+    x = torch.randn(2, 4)
+    if when == "before":
+        target.register_full_backward_hook(_triple)
+    try:
+        dbg = fxdebug.instrument(model, passes(), x, frontend=frontend)
+        if when == "after":
+            target.register_full_backward_hook(_triple)
+        got = _grads(dbg, x)
+    except TraceError as exc:  # refused: the message names the module and the hook
+        assert where == "inner" and frontend != "subtrees", f"refused a case that can be kept: {exc}"
+        assert "'inner'" in str(exc) and "hook" in str(exc)
+        return
+    want = _grads(model, x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class Labelled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, labels: Tensor | None = None, scale: float | None = None) -> Tensor:
+        y = self.fc(x)
+        if scale is not None:
+            y = y * scale
+        if labels is not None:
+            return (y - labels).pow(2).mean()
+        return y
+
+
+@pytest.mark.parametrize("extra", [{"labels": torch.zeros(2, 4)}, {"scale": 2.0}], ids=["labels", "scale"])
+def test_symbolic_call_with_a_pinned_argument_is_refused_with_a_trace_error(extra: dict[str, Any]) -> None:
+    model = Labelled()
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend="symbolic")
+    name = next(iter(extra))
+    with pytest.raises(TraceError, match=rf"called with {name}=.*pinned to None.*Inputs\(x, {name}=") as info:
+        dbg(x, **extra)
+    assert info.value.op == f"{name}="
+    torch.testing.assert_close(dbg(x, labels=None), model(x), rtol=0, atol=0)  # the traced signature still runs
+    both = fxdebug.instrument(model, passes(), fxdebug.Inputs(x, **extra), frontend="symbolic")
+    torch.testing.assert_close(both(x, **extra), model(x, **extra), rtol=0, atol=0)
+
+
+# -- 5. model-level changes after instrument ---------------------------------------------------------
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.bn(self.drop(self.fc(x)))
+        if self.training:
+            y = y * 2
+        return y
+
+
+def _seeded(module: nn.Module, x: Tensor) -> Tensor:
+    torch.manual_seed(0)
+    return module(x)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_model_train_on_the_model_is_followed(frontend: str) -> None:
+    model = Head().eval()
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend=frontend)
+    twin = Head()
+    twin.load_state_dict(model.state_dict())
+    model.train()  # on the model, not on dbg
+    twin.train()
+    torch.testing.assert_close(_seeded(dbg, x), _seeded(twin, x), rtol=0, atol=0)
+    torch.testing.assert_close(model.bn.running_mean, twin.bn.running_mean, rtol=0, atol=0)
+    model.eval()
+    twin.eval()
+    torch.testing.assert_close(_seeded(dbg, x), _seeded(twin, x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_replaced_submodule_is_never_a_stale_answer(frontend: str) -> None:
+    model = Head().eval()
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend=frontend)
+    model.fc = nn.Linear(4, 4)
+    with pytest.raises(TraceError, match=r"submodule 'fc' of Head was replaced.*Instrument the model again") as info:
+        dbg(x)
+    assert info.value.module == "fc"
+    again = fxdebug.instrument(model, passes(), x, frontend=frontend)
+    torch.testing.assert_close(again(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "export"])
+def test_a_hook_added_on_an_inlined_module_is_refused_not_dropped(frontend: str) -> None:
+    model = Outer()
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend=frontend)
+    handle = model.inner.register_forward_hook(lambda m, i, o: o * 5)
+    with pytest.raises(TraceError, match=r"hook.*registered on 'inner' \(Inner\).*never run"):
+        dbg(x)
+    handle.remove()
+    torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+    model.out.register_forward_hook(lambda m, i, o: o * 5)  # a module the graph calls as a module
+    if frontend == "symbolic":
+        torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+    else:
+        with pytest.raises(TraceError, match="'out'"):
+            dbg(x)
+
+
+def test_a_global_module_hook_added_later_is_refused() -> None:
+    model = Outer()
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend="symbolic")
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        with pytest.raises(TraceError, match="global module hook"):
+            dbg(x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from fxdebug.errors import MissingInputsError, ShapeMismatchError, TraceError
 from fxdebug.capture.faithful import clean_graph_meta
 from fxdebug.capture.faithful_export import export_shell, watched_export
+from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import untouched_state
 from fxdebug.graph.meta import _clean_export_path, fx_meta
 from fxdebug.graph.module_state import refuse_uninitialized
@@ -372,6 +373,7 @@ def capture_export(
     free = _dynamic_dims(graph)
     if free:
         info.notes.append(f"export: dynamic dimensions (any size the model accepts): {', '.join(free)}")
+    info.live = LiveGuard(model, "export", [m for p, m in model.named_modules() if p])  # every module is inlined
     info.seconds = time.perf_counter() - start
     return graph, info, space
 

@@ -35,6 +35,7 @@ from fxdebug.graph.inputs import CallInputs, preserved_state
 from fxdebug.graph.module_state import refuse_uninitialized
 from fxdebug.errors import MissingInputsError, UsageError
 from fxdebug.capture.faithful import sync_attributes, sync_tensors
+from fxdebug.capture.live import LiveGuard
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import KEY, GraphRecord, fx_meta
 from fxdebug.graph.serialize import deserialize_graph, serialize_graph
@@ -281,8 +282,13 @@ class SubtreeInstrumented(Instrumented):
             copies = [m for m in self._shell.modules() if "_fxdebug_original" in m.__dict__]
             self.__dict__["_fxdebug_copies"] = copies
         for c in copies:  # Python state (self.calls += 1) and rebound buffers live on the model
-            sync_attributes(c.__dict__["_fxdebug_original"], c)
-            sync_tensors(c.__dict__["_fxdebug_original"], c)
+            original = c.__dict__["_fxdebug_original"]
+            sync_attributes(original, c)
+            sync_tensors(original, c)
+            # torch keys full vs. legacy backward-hook semantics on a flag of the module object
+            c.__dict__["_is_full_backward_hook"] = original.__dict__.get("_is_full_backward_hook")
+            if c is not self._shell:
+                c.__dict__["training"] = original.training  # model.train() reaches the parents of parts too
         try:
             return self._shell(*args, **kwargs)
         finally:
@@ -360,6 +366,7 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
     covered_params = _params_under(model, order)
     covered_ops = sum(seen[p].ops for p in order)
     info = TraceInfo(frontend="subtrees")
+    info.live = LiveGuard(model, "subtrees")  # the root runs eagerly: its hooks run; each part guards its own
     info.coverage = {
         "parameters": covered_params / total_params if total_params else 1.0,
         "ops": covered_ops / total_ops if total_ops else 1.0,

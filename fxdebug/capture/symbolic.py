@@ -29,6 +29,7 @@ from torch.fx import Graph, Tracer
 from fxdebug.errors import TraceError
 from fxdebug.capture.faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
 from fxdebug.capture.inplace_proxy import MutatingProxy
+from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import Inputs, normalize_inputs, untouched_state
 from fxdebug.graph.module_state import refuse_uninitialized
 from fxdebug.graph.meta import fx_meta
@@ -73,6 +74,9 @@ class TraceInfo:
     # plain attributes forward read while being captured ((module path, name, value)): a graph may be
     # specialised to them (``if self.use_cache:``); fxdebug.instrumented.modes captures again when one changes
     guards: list[tuple[str, str, Any]] = field(default_factory=list)
+    # what the capture assumed about the live model (its module tree, hooks, call signature), checked
+    # before every call: fxdebug.capture.live.LiveGuard
+    live: Any = None
 
 
 class _FailureLocatingTracer(Tracer):
@@ -247,8 +251,19 @@ def capture_symbolic(
     info.concrete_args = concrete
     _fresh_list_arguments(graph)
     _annotate(graph, model, info)
+    info.live = _live_guard(model, graph, concrete)
     info.seconds = time.perf_counter() - start
     return graph, info
+
+
+def _live_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any]) -> LiveGuard:
+    """The modules the graph traced through (not called as modules) and the arguments it takes."""
+    leaves = {str(n.target) for n in graph.nodes if n.op == "call_module"}
+    inlined = [m for p, m in model.named_modules() if p and not any(p == leaf or p.startswith(f"{leaf}.")
+                                                                   for leaf in leaves)]
+    targets = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+    names = frozenset(t.lstrip("*") for t in targets)
+    return LiveGuard(model, "symbolic", inlined, (names, dict(concrete), any(t.startswith("**") for t in targets)))
 
 
 def _fresh_list_arguments(graph: Graph) -> None:

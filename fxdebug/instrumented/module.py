@@ -30,6 +30,7 @@ from torch.fx import Graph, GraphModule
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.capture.eager_origin import explain_eager_origin
+from fxdebug.capture.live import check_live
 from fxdebug.errors import ArgumentTypeError, FxDebugError
 from fxdebug.instrumented.face import model_attribute
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
@@ -79,6 +80,7 @@ class Instrumented(GraphModule):
         return self
 
     def _call_with_diagnosis(self, *args: Any, **kwargs: Any) -> Any:
+        check_live(self, args, kwargs)  # the model's tree, hooks and root flags as captured (fxdebug.capture.live)
         ensure_mode(self)  # the graph captured for the training flags the modules have now (fxdebug.instrumented.modes)
         routed = route_call(self, args, kwargs)  # export: a call of another signature has its own capture
         if routed is not None:
