@@ -220,6 +220,12 @@ class Instrumented(GraphModule):
             report = self.report()
         return draw(self, path, report=report, parts=self.parts(), **kwargs)
 
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        """Notebook display: the annotated graph as an inline static SVG (``fxdebug.instrumented.notebook``)."""
+        from fxdebug.instrumented.notebook import module_mimebundle
+
+        return module_mimebundle(self, include, exclude)
+
     def retrace(self) -> "Instrumented":
         """A new ``Instrumented`` over the same model objects, with its own copy of fxdebug's modules.
 

@@ -160,6 +160,20 @@ class Report:
 
         return format_report(self, max_rows, cols=cols, width=width)
 
+    def scalars(self, prefix: str = "fxdebug/", top_k: int | None = None) -> dict[str, float]:
+        """A flat ``{key: float}`` dict for any tracker (wandb, MLflow, accelerate, a Trainer's log):
+        a few summaries plus per-node values, at most ``top_k`` of those (non-finite nodes first,
+        then the largest); see ``fxdebug.report.scalars``."""
+        from fxdebug.report.scalars import scalars
+
+        return scalars(self, prefix=prefix, top_k=top_k)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        """Notebook display: the text table and an HTML table (``fxdebug.report.notebook``)."""
+        from fxdebug.report.notebook import report_mimebundle
+
+        return report_mimebundle(self, include, exclude)
+
     def __repr__(self) -> str:
         return (f"Report({len(self.rows)} rows, calls={self.calls}, first_nonfinite={self.first_nonfinite!r}, "
                 f"first_nonfinite_grad={self.first_nonfinite_grad!r})")
