@@ -13,6 +13,11 @@ counts and its inputs' ranges. It syncs once per node and call: the one document
 
 ``counts=True`` adds the NaN and Inf element counts to the report (the fused pass computes them
 anyway); raise mode always gives them in its message.
+
+``samples=True`` also keeps, per watched node and on the device, which batch rows (dim 0) — and,
+for ``(batch, sequence, ...)`` outputs, which ``(batch, position)`` tokens — were non-finite the
+first time the node went non-finite: ``report().origin_samples`` / ``origin_tokens`` read them at
+the origin. It costs one more reduction per node and call (and a Python probe per node).
 """
 
 from __future__ import annotations
@@ -76,6 +81,48 @@ class NonFiniteProbe(FusedProbe):
         if self.counts:
             out["nan"], out["inf"] = stats.nan, stats.inf
         return out
+
+
+class SamplesProbe(Probe):
+    """Which rows (dim 0), and for 3-d outputs which ``(row, position)`` tokens, held NaN/Inf in the
+    first call that saw any — kept on the device, captured once (no sync)."""
+
+    key = "nan-check-samples"
+    columns = (Column("nonfinite_samples", roles=HIDDEN, doc="batch indices (dim 0) non-finite in the first bad call"),
+               Column("nonfinite_tokens", roles=HIDDEN, doc="(batch, position) pairs non-finite in the first bad call"))
+
+    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
+        return {"seen": torch.zeros((), dtype=torch.bool, device=x.device),
+                "mask": torch.zeros(0, 0, dtype=torch.bool, device=x.device), "tokens": x.dim() >= 3}
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        x = r.x
+        if x.dim() == 0 or x.numel() == 0 or x.device.type == "meta" or not x.is_floating_point():
+            return
+        acc = torch.float64  # a sum of finite float32/16 values cannot overflow float64: exact detection
+        if x.dim() >= 3:
+            bad = ~torch.isfinite(x.reshape(x.shape[0], x.shape[1], -1).sum(-1, dtype=acc))  # (B, T)
+        else:
+            bad = ~torch.isfinite(x.reshape(x.shape[0], -1).sum(-1, dtype=acc)).unsqueeze(1)  # (B, 1)
+            state["tokens"] = False
+        mask = state["mask"]
+        rows, cols = max(mask.shape[0], bad.shape[0]), max(mask.shape[1], bad.shape[1])
+        if mask.shape != (rows, cols):  # a larger batch or sequence than before: grow (never shrinks)
+            mask = torch.nn.functional.pad(mask, (0, cols - mask.shape[1], 0, rows - mask.shape[0]))
+        if bad.shape != (rows, cols):
+            bad = torch.nn.functional.pad(bad, (0, cols - bad.shape[1], 0, rows - bad.shape[0]))
+        any_bad = bad.any()
+        state["mask"] = torch.where(any_bad & ~state["seen"], bad, mask)
+        state["seen"] = state["seen"] | any_bad
+
+    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
+        mask = state["mask"]
+        if mask.device.type == "meta" or not bool(state["seen"]):
+            return {"nonfinite_samples": None, "nonfinite_tokens": None}
+        mask = mask.cpu()
+        samples = sorted(int(i) for i in mask.any(1).nonzero().flatten())
+        tokens = [(int(b), int(t)) for b, t in mask.nonzero().tolist()] if state["tokens"] else None
+        return {"nonfinite_samples": samples, "nonfinite_tokens": tokens}
 
 
 class RaisingProbe(Probe):
@@ -161,6 +208,9 @@ class NaNCheck(fxdebug.Pass):
         counts: also report the NaN and Inf element counts (``nan``, ``inf``; free: the fused pass counts them).
         views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
             default, since they only rearrange values their input already had.
+        samples: also keep which batch rows / (batch, position) tokens were non-finite the first
+            time each node went non-finite (``report().origin_samples``, ``origin_tokens``); one more
+            reduction per node and call.
         where: limit the watched nodes (globs over module paths / node names, or a predicate).
         history: also keep the last ``history`` calls' statistics of every watched node in a ring
             buffer on the device (a flight recorder; ``report().history``; see ``Recorder``).
@@ -172,8 +222,10 @@ class NaNCheck(fxdebug.Pass):
     observe_only = True
 
     def __init__(self, mode: str = "record", backward: bool = False, *, counts: bool = False, views: bool = False,
-                 where: Where = None, history: int | None = None, on_nonfinite: Any = None) -> None:
+                 where: Where = None, history: int | None = None, on_nonfinite: Any = None,
+                 samples: bool = False) -> None:
         super().__init__(where=where)
+        self.samples = samples
         self.views = views
         if history is not None or on_nonfinite is not None:
             from .recorder import Recorder
@@ -190,6 +242,8 @@ class NaNCheck(fxdebug.Pass):
         nodes = ctx.nodes(gm, ops=_OPS, float_outputs=True, predicate=skip_views)
         for node in nodes:
             added.append(ctx.observe(node, self._probe(gm, node)))
+            if self.samples:
+                ctx.observe(node, SamplesProbe())
         if self.history is not None or self.on_nonfinite is not None:
             added += fxdebug.numerics.add_recorder(gm, ctx, nodes, self.history or 1, self.on_nonfinite)
         return PassResult(gm, added=added)

@@ -75,6 +75,7 @@ def collect(
     bar = make_progress(progress, total)
     if reset:
         dbg.reset()
+    start = 0 if reset else dbg.report().calls  # forward calls before these batches
     params: list[Tensor] = [p for p in dbg.parameters() if p.requires_grad] if loss_fn is not None else []
     saved_grads = [p.grad for p in params]
     failure: FxDebugError | None = None
@@ -106,9 +107,25 @@ def collect(
     report = dbg.report()
     bar.close(done, running_counts(report))
     report.failure = failure
+    report.origin_batch = _origin_batch(report, start, done)
     kind = "forward + backward" if loss_fn is not None else "forward"
-    report.notes.append(f"collect: {done} batch(es), {kind}" + (f"; stopped at batch {done + 1}" if failure else ""))
+    report.notes.append(f"collect: {done} batch(es), {kind}" + (f"; stopped at batch {done + 1}" if failure else "")
+                        + (f"; the first NaN/Inf came in batch {report.origin_batch}" if report.origin_batch is not None else ""))
     return report
+
+
+def _origin_batch(report: Any, start: int, done: int) -> int | None:
+    """Which batch of the loader (0-based) held the first NaN/Inf: the origin's earliest bad
+    forward call, counted in batches (each batch runs the same number of forward calls)."""
+    from fxdebug.runtime.columns import ORIGIN
+
+    row = next((r for r in report.rows if r["node"] == report.first_nonfinite), None)
+    calls = [row.get(c.key) for c in report.columns_with(ORIGIN, "forward")] if row is not None else []
+    calls = [c for c in calls if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    if not calls or not done:
+        return None
+    per_batch = max(1, (report.calls - start) // done)
+    return int(min(calls) - start) // per_batch
 
 
 def _length(loader: Any, batches: int | None) -> int | None:
