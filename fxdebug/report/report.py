@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from fxdebug.runtime.columns import NONFINITE, ORIGIN, Column, columns_with, resolve_columns
 from fxdebug.graph.meta import is_instrumentation, module_path, op_label
 from fxdebug.runtime.lower import observers_in
-from fxdebug.runtime.kernel import backend, fallback_reason
+from fxdebug.runtime.kernel import runtime_notes
 
 __all__ = ["Report", "build_report", "merge_reports"]
 
@@ -76,19 +76,22 @@ class Report:
         """Nodes whose output went non-finite in some forward call, in graph order."""
         return [r["node"] for r in self.rows if self.nonfinite_in(r, "forward")]
 
+    def answer(self, name: str) -> Any:
+        """The report-level reading a probe column declares (``Column(answers=name, reading=...)``),
+        computed from the rows; ``None`` when no column answers ``name``."""
+        col = next((c for c in self.columns if c.answers == name and c.reading is not None), None)
+        return col.reading(self.rows) if col is not None and col.reading is not None else None
+
     @property
     def history(self) -> Any:
         """With ``Recorder`` / ``NaNCheck(history=N)``: the last N calls' per-node statistics."""
-        from fxdebug.numerics.recorder import history_of
-
-        return history_of(self.rows)
+        return self.answer("history")
 
     @property
     def precision_origin(self) -> str | None:
         """With ``Shadow``: the node where the accumulated relative error grew most (``err_growth``)."""
-        from fxdebug.numerics.shadow import precision_origin
-
-        return precision_origin(self.rows)
+        origin = self.answer("precision_origin")
+        return None if origin is None else str(origin)
 
     @property
     def origin_samples(self) -> list[int] | None:
@@ -301,12 +304,9 @@ def merge_reports(parts: Mapping[str, Report], *, frontend: str = "symbolic", no
 
 
 def _runtime_notes(clocks: Any) -> list[str]:
-    """Say so when fused statistics on CPU ran on the pure-torch fallback instead of the C++ kernel."""
-    on_cpu = any(c.table is not None and c.table.device.type == "cpu" for c in clocks)
-    if on_cpu and backend() != "c++":
-        return [f"runtime: the C++ observation kernel is not available ({fallback_reason()}); the pure-torch "
-                "fallback computed the same statistics, more slowly."]
-    return []
+    """Which observation kernel computed the fused statistics, per device type (and why, when the
+    native kernel was not in use)."""
+    return runtime_notes(c.table.device.type for c in clocks if c.table is not None)
 
 
 def _first_calls(rows: list[dict[str, Any]], columns: list[Column], phase: str) -> list[tuple[int, int]]:

@@ -9,35 +9,52 @@ implementation (``fallback.py``) under ``CompositeExplicitAutograd``; if the C++
 ``backend()`` says so (the report adds a note). The fake implementation (shapes only) is what
 ``torch.compile`` and ``torch.export`` trace, so the op is one node there, with no graph break.
 
+Choosing the kernel: ``FXDEBUG_KERNEL=cpp`` (the default on CPU), ``triton`` (the Triton kernel,
+``triton_kernel.py``; on CPU tensors only with ``TRITON_INTERPRET=1``, which is how CI checks it)
+or ``torch`` (the pure-torch path, ``fallback.py``, everywhere). On CUDA the Triton kernel is the
+default when triton imports, else the pure-torch path. ``active(device_type)`` says which kernel
+observes tensors of a device type (the report's notes say it too); ``use(name)`` switches the CPU
+(and CUDA) kernel for a block of code, in process (tests and benchmarks).
+
 ``FXDEBUG_NO_KERNEL=1`` skips the build (forces the fallback); ``FXDEBUG_VERBOSE_BUILD=1`` shows
-the compiler's output.
+the compiler's output. The build's name is keyed by a hash of the C++ source, the compiler flags
+and the torch version, so checkouts with different sources or torch builds never rebuild over
+each other's cache; a build says so on stderr (it takes tens of seconds, once per machine).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import platform
+import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from fxdebug.runtime.fallback import observe_torch
+from fxdebug.errors import UsageError
+from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 
-__all__ = ["backend", "fallback_reason", "load", "observe_many_op", "observe_op"]
+__all__ = ["KERNELS", "active", "backend", "fallback_reason", "load", "observe_many_op", "observe_op", "requested",
+           "runtime_notes", "use"]
+
+KERNELS = ("cpp", "triton", "torch")
 
 _SCHEMA = "observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()"
 _SCHEMA_MANY = "observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()"
 _SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "observe.cpp"]
 _LOCK = threading.Lock()
-_STATE: dict[str, Any] = {"backend": None, "why": None, "libs": []}
+_STATE: dict[str, Any] = {"backend": None, "why": None, "libs": [], "cuda": "torch", "cuda_why": None}
+
 
 
 def _cflags() -> tuple[str, list[str]]:
     """Optimisation flags safe for this machine, and a build name that keeps caches apart."""
     flags = ["-O3", "-fopenmp-simd", "-fno-math-errno"]
-    name = "fxdebug_observe_v2"
+    name = "fxdebug_observe"
     if platform.machine() in ("x86_64", "AMD64"):
         try:
             cpu = Path("/proc/cpuinfo").read_text()
@@ -52,12 +69,66 @@ def _cflags() -> tuple[str, list[str]]:
     return name, flags
 
 
+def build_name() -> tuple[str, list[str]]:
+    """The extension's cache name: keyed by a hash of the sources, the flags and the torch version
+    (two checkouts, or two torch builds, never rebuild over each other), and its flags."""
+    name, flags = _cflags()
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    h.update(str(getattr(torch.version, "git_version", "")).encode())
+    return f"{name}_{h.hexdigest()[:12]}", flags
+
+
+def _built(name: str) -> bool:
+    from torch.utils import cpp_extension
+
+    root = Path(cpp_extension._get_build_directory(name, verbose=False))
+    return any(root.glob(f"{name}*.so"))
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 
-    name, flags = _cflags()
+    name, flags = build_name()
+    if not _built(name):
+        print(f"fxdebug: building the C++ observation kernel ({name}; once per source and torch version, "
+              "~20-60 s)...", file=sys.stderr, flush=True)
     cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags, is_python_module=False,
                        verbose=bool(os.environ.get("FXDEBUG_VERBOSE_BUILD")))
+
+
+def requested() -> str | None:
+    """The kernel ``FXDEBUG_KERNEL`` asks for (``None``: the default per device)."""
+    value = os.environ.get("FXDEBUG_KERNEL", "").strip().lower()
+    if not value:
+        return None
+    value = {"c++": "cpp", "native": "cpp", "python": "torch", "fallback": "torch"}.get(value, value)
+    if value not in KERNELS:
+        raise UsageError(f"FXDEBUG_KERNEL={os.environ['FXDEBUG_KERNEL']!r} names no observation kernel; "
+                         f"expected one of {', '.join(KERNELS)} (or unset it for the default: cpp on CPU, triton on CUDA)")
+    return value
+
+
+def _triton_problem(device_type: str) -> str | None:
+    """Why the Triton kernel cannot observe tensors of ``device_type`` here (``None``: it can)."""
+    from fxdebug.runtime import triton_kernel
+
+    if not triton_kernel.available():
+        return f"triton does not import ({triton_kernel.why_unavailable()})"
+    if device_type == "cpu" and not triton_kernel.interpreting():
+        return "Triton runs on CPU tensors only under its interpreter: set TRITON_INTERPRET=1 before triton is imported"
+    return None
+
+
+def _impls(name: str, device_type: str) -> tuple[Any, Any]:
+    if name == "triton":
+        from fxdebug.runtime.triton_kernel import observe_many_triton, observe_triton
+
+        return observe_triton, observe_many_triton
+    return observe_torch, observe_many_torch
 
 
 def load() -> str:
@@ -67,8 +138,11 @@ def load() -> str:
     with _LOCK:
         if _STATE["backend"] is not None:
             return _STATE["backend"]
+        want = requested()
         have = _defined()
-        if not have and not os.environ.get("FXDEBUG_NO_KERNEL"):
+        if not have and want not in (None, "cpp"):
+            _STATE["why"] = f"FXDEBUG_KERNEL={want}"
+        elif not have and not os.environ.get("FXDEBUG_NO_KERNEL"):
             try:
                 _build()
                 have = _defined()
@@ -87,8 +161,99 @@ def load() -> str:
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
-        _STATE["backend"] = "c++" if have else "torch"
+        cpu = "c++" if have else "torch"
+        if want in ("triton", "torch"):
+            problem = _triton_problem("cpu") if want == "triton" else None
+            if problem is None:
+                cpu = want
+                one, many = _impls(want, "cpu")
+                with _quiet_override():
+                    lib.impl("observe", one, "CPU")
+                    lib.impl("observe_many", many, "CPU")
+            else:
+                _STATE["why"] = f"FXDEBUG_KERNEL=triton: {problem}"
+        elif want == "cpp" and not have:
+            _STATE["why"] = f"FXDEBUG_KERNEL=cpp, but the build failed: {_STATE['why']}"
+        if want != "torch" and torch.cuda.is_available():
+            problem = _triton_problem("cuda")
+            if problem is None:
+                one, many = _impls("triton", "cuda")
+                lib.impl("observe", one, "CUDA")
+                lib.impl("observe_many", many, "CUDA")
+                _STATE["cuda"] = "triton"
+            else:
+                _STATE["cuda_why"] = problem
+        _STATE["backend"] = cpu
     return str(_STATE["backend"])
+
+
+@contextlib.contextmanager
+def _quiet_override() -> Iterator[None]:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*[Oo]verrid.*")
+        yield
+
+
+def active(device_type: str = "cpu") -> str:
+    """The kernel that observes tensors of ``device_type``: ``"c++"``, ``"triton"`` or ``"torch"``."""
+    load()
+    if device_type == "cpu":
+        return str(_STATE["backend"])
+    if device_type == "cuda":
+        return str(_STATE["cuda"])
+    return "torch"
+
+
+@contextlib.contextmanager
+def use(name: str) -> Iterator[str]:
+    """Observe CPU (and CUDA) tensors with kernel ``name`` inside the block, then restore the
+    previous choice. ``"cpp"`` needs the C++ kernel built; ``"triton"`` on CPU needs
+    ``TRITON_INTERPRET=1``. Yields the kernel's name as ``active()`` spells it."""
+    if name not in KERNELS:
+        raise UsageError(f"no observation kernel named {name!r}; expected one of {', '.join(KERNELS)}")
+    load()
+    if name == "cpp":  # the C++ kernel is registered below any Python override: it is there or not
+        if _STATE["backend"] != "c++":
+            raise UsageError(f"the C++ observation kernel is not the CPU kernel in this process ({_STATE['why']}); "
+                             "unset FXDEBUG_KERNEL / FXDEBUG_NO_KERNEL to use it")
+        yield "c++"
+        return
+    if name == "triton":
+        problem = _triton_problem("cpu")
+        if problem is not None:
+            raise UsageError(f"the Triton observation kernel cannot run on CPU here: {problem}")
+    previous = {k: _STATE[k] for k in ("backend", "cuda")}
+    lib = torch.library.Library("fxdebug", "IMPL")
+    try:
+        one, many = _impls(name, "cpu")
+        with _quiet_override():
+            for key in ("CPU",) + (("CUDA",) if torch.cuda.is_available() else ()):
+                lib.impl("observe", one, key)
+                lib.impl("observe_many", many, key)
+        _STATE["backend"] = _STATE["cuda"] = name
+        yield name
+    finally:
+        lib._destroy()  # the dispatcher falls back to the kernels registered before
+        _STATE.update(previous)
+
+
+def runtime_notes(device_types: Any) -> list[str]:
+    """The report's notes about the kernels that observed tensors on ``device_types``."""
+    notes = []
+    for dt in sorted(set(device_types)):
+        if dt == "meta":
+            continue
+        kernel = active(dt)
+        how = " (interpreter)" if kernel == "triton" and dt == "cpu" else ""
+        why = _STATE["why"] if dt == "cpu" else (_STATE["cuda_why"] if dt == "cuda" else None)
+        line = f"runtime: observation kernel {kernel}{how} on {dt}"
+        if kernel == "torch" and why:
+            line += f" (the native kernel is not in use: {why}; the pure-torch path computed the same statistics, " \
+                    "more slowly)"
+        notes.append(line)
+    return notes
 
 
 def _defined() -> bool:
@@ -106,11 +271,6 @@ def _fake(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_di
 
 def _fake_many(xs: Any, table: Any, args: Any) -> None:
     return None
-
-
-def observe_many_torch(xs: Any, table: Any, args: Any) -> None:
-    for i, x in enumerate(xs):
-        observe_torch(x, table, *args[4 * i: 4 * i + 4])
 
 
 def _many_below_autograd(xs: Any, table: Any, args: Any) -> None:
