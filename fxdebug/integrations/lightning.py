@@ -14,10 +14,10 @@
   through an instrumented module built over it on the first training call, from ``on_fit_start``
   to ``on_fit_end`` (``fxdebug.integrations._session``). Validation and sanity-check calls run the
   plain module.
-* Every ``every`` optimizer steps the report goes through the module's own logger
-  (``pl_module.log_dict``, ``on_step=True``): the ``fxdebug/...`` keys of ``Report.scalars`` (a
-  few summaries plus at most ``top_k`` per-node values) reach every logger the Trainer has.
-  Statistics are reset after each log.
+* Every ``every`` optimizer steps the report goes to the Trainer's loggers (``trainer.loggers``,
+  each one's ``log_metrics``, on the row of that batch's own metrics): the ``fxdebug/...`` keys of
+  ``Report.scalars`` (a few summaries plus at most ``top_k`` per-node values). Statistics are
+  reset after each log.
 * Before each optimizer step the report is read for NaN/Inf. On the first one: ``"stop"`` sets
   ``trainer.should_stop`` (training ends after that step), ``"dump"`` writes
   ``fxdebug-report.json`` and ``fxdebug-repro.py`` to ``dump_dir`` (default
@@ -117,5 +117,11 @@ class FxDebugCallback(Callback):  # type: ignore[misc]
         report = self.session.report if self._read_at == step else self.session.read()
         if report is None:
             return
-        pl_module.log_dict(self.session.scalars(report), on_step=True, on_epoch=False)
+        values = self.session.scalars(report)
+        # Straight to the Trainer's loggers, at the row of this batch's own metrics (Lightning's
+        # step counter for batch k is k; global_step is already k + 1 here). Not pl_module.log_dict:
+        # Lightning would re-log a per-node key at later steps with its stale value, so a capped
+        # set of keys would grow back into every node ever logged.
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=max(step - 1, 0))
         self.session.reset()
