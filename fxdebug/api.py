@@ -21,6 +21,7 @@ from fxdebug.errors import ArgumentTypeError, FxDebugError, MissingInputsError, 
 from fxdebug.capture.base import Frontend, TraceOptions
 from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
 from fxdebug.capture.subtrees import SubtreesFrontend
+from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import graph_record
 from fxdebug.instrumented.modes import remember
@@ -28,14 +29,14 @@ from fxdebug.authoring.pipeline import Pass, PassManager, validate_passes
 from fxdebug.render.draw import render as draw
 from fxdebug.report.report import Report
 from fxdebug.runtime.lower import lower_observers
-from fxdebug.graph.inputs import Inputs, normalize_inputs
+from fxdebug.graph.inputs import Inputs, clone_inputs, normalize_inputs, preserved_state
 from fxdebug.graph.usage import check_example_inputs, check_options, check_where_matched
 from fxdebug.instrumented.verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
 
 FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
-_CHOICES = ("auto", *FRONTENDS)
+_CHOICES = ("auto", "dynamo", *FRONTENDS)
 # instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
 _INSTRUMENT_OWN = ("prior_report", "verify")
 
@@ -80,6 +81,8 @@ def trace(
         return again
     if frontend not in _CHOICES:
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_CHOICES)}.")
+    if frontend == "dynamo":
+        return _instrument_live(model, [], example_inputs, None, False, time.perf_counter())
     inputs = normalize_inputs(example_inputs)
     check_example_inputs(model, inputs)
     options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
@@ -179,10 +182,38 @@ def instrument(
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
+    if trace_options.get("frontend") == "dynamo":
+        return _instrument_live(model, pass_list, example_inputs, prior, check, start)
     gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
     remember(gm, model, pass_list, example_inputs, trace_options, instrument)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:  # outputs, every gradient and buffers against the model, in train and eval mode
+        verify(gm, example_inputs).raise_if_failed()
+    return gm
+
+
+def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
+                     check: bool, start: float) -> Instrumented:
+    """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
+    model, unwrapped = unwrap_parallel(model)
+    notes = [unwrapped] if unwrapped else []
+    if isinstance(model, LiveInstrumented):
+        passes = [*model.__dict__["_passes"], *passes]
+        model = model.model
+    elif isinstance(model, Instrumented):
+        raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
+                         f"{model.trace_info.frontend}: instrument the original model instead.")
+    gm = LiveInstrumented._live(model, passes, prior, notes)
+    inputs = normalize_inputs(example_inputs)
+    if inputs is not None:
+        check_example_inputs(model, inputs)
+        args, kwargs = clone_inputs(inputs)
+        with preserved_state(model):  # buffers, Python state and RNG as they were: the call only captures
+            gm(*args, **kwargs)
+        gm.reset()
+        check_where_matched(passes, gm.parts())
+    graph_record(gm).instrument_seconds = time.perf_counter() - start
+    if check:
         verify(gm, example_inputs).raise_if_failed()
     return gm
 

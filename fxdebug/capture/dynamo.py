@@ -1,0 +1,319 @@
+"""Live capture through TorchDynamo: every graph Dynamo hands over, named so that reports merge.
+
+``torch.compile(model, backend=...)`` keeps a captured graph true to live Python: its guards
+re-check module types, attributes read, training flags, grad mode, hooks
+(``skip_nnmodule_hook_guards=False``) and dynamic dimensions, and capture again when one fails;
+parameters and buffers enter each graph as inputs (nothing is folded); what Dynamo cannot
+capture becomes a graph break and runs eagerly.
+
+This module is the part of that frontend below ``instrumented/``:
+
+* ``backend`` — the one backend every live module shares (Dynamo keeps one cache per code object
+  and tells backends apart by identity, so a backend per module would hit the recompile limit
+  after eight modules of one class). It returns a dispatcher: at run time the dispatcher hands the
+  graph and its arguments to the *session* now calling (``live(session)``), which instruments
+  that graph once for itself and runs it; outside a session the graph runs as captured.
+* ``DynamoGraph`` — one graph Dynamo handed over: the frame it came from, the recompile index,
+  and why it ended (the graph-break reason Dynamo gave).
+* ``NodeNamer`` / ``prepare`` — a copy of the graph whose nodes carry a stable identity: module
+  path + op + occurrence (``fc1``, ``layer1_0_conv1``, ``relu_1``), the same name in every
+  recompile of a frame, so that rows of every capture merge into one report; placeholders that
+  are the model's parameters and buffers are named and attributed to their module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.node import map_arg
+
+from fxdebug.graph.meta import _clean_export_path, fx_meta
+
+__all__ = ["DynamoGraph", "NodeNamer", "Prepared", "backend", "clean_path", "dynamo_config", "live", "prepare"]
+
+
+@dataclass(eq=False)
+class DynamoGraph:
+    """One graph Dynamo handed to the backend.
+
+    ``frame`` identifies the Python frame (a model's ``forward`` or a resume function after a
+    graph break); ``recompile`` counts captures of that frame (a failed guard captures again);
+    ``reason`` says why the graph ended where it did (a graph break names the construct).
+    """
+
+    gm: GraphModule
+    frame: int
+    recompile: int
+    graph_break: bool = False
+    reason: str = ""
+    where: str = ""  # the user's line where the graph ended
+    sources: list[str] = field(default_factory=list)  # each placeholder's source (``L['self']._modules['fc1']...``)
+
+    @property
+    def key(self) -> str:
+        return f"{self.frame}/{self.recompile}"
+
+
+class Session(Protocol):
+    def run_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> Any: ...
+
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def live(session: Session) -> Iterator[None]:
+    """Graphs run while this is open are handed to ``session`` (a stack: a live module inside another)."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(session)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _ending(gm: GraphModule) -> tuple[bool, str, str]:
+    why = getattr(gm, "compile_subgraph_reason", None)
+    if why is None:
+        return False, "", ""
+    stack = list(getattr(why, "user_stack", None) or [])
+    where = ""
+    if stack:
+        frame = stack[-1]
+        where = f"{str(frame.filename).rsplit('/', 1)[-1]}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
+    reason = " ".join(str(why.reason or "").split())
+    return bool(why.graph_break), reason, where
+
+
+def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The fxdebug Dynamo backend: a dispatcher to the session that runs the graph."""
+    compile_id = torch._guards.CompileContext.current_compile_id()
+    graph_break, reason, where = _ending(gm)
+    graph = DynamoGraph(gm, getattr(compile_id, "frame_id", -1) or 0, getattr(compile_id, "frame_compile_id", 0) or 0,
+                        graph_break, reason, where)
+    graph.sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo drops them later
+    plain = gm.forward
+
+    def run(*args: Any) -> Any:
+        stack = getattr(_LOCAL, "stack", None)
+        if not stack:
+            return plain(*args)  # called outside any live module (another thread's call)
+        return stack[-1].run_graph(graph, args)
+
+    run.fxdebug_graph = graph  # type: ignore[attr-defined]
+    return run
+
+
+def dynamo_config() -> Any:
+    """The Dynamo settings a live capture runs under (a ``config.patch``, never a global change).
+
+    Hook guards on, so that a hook added after instrument is seen; a higher recompile limit, since
+    every live module of one class shares that class's ``forward`` cache (a debugging session
+    switches modes, keyword signatures and shapes more than a production loop).
+    """
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, recompile_limit=64,
+                                      accumulated_recompile_limit=4096)
+
+
+# -- stable names ----------------------------------------------------------------------------------
+_STATE = re.compile(r"^L\['(\w+)'\]((?:\._modules\['[^']+'\])*)\.(_parameters|_buffers)\['([^']+)'\]$")
+_CHILD = re.compile(r"\._modules\['([^']+)'\]")
+_LOCAL_NAME = re.compile(r"^L\['(\w+)'\]$")
+
+
+def _source_name(node: Node) -> str:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    if callable(name):
+        name = name()
+    return str(name) if name else ""
+
+
+def state_name(source: str) -> tuple[str, str, str] | None:
+    """``(module path, attribute, "parameter"|"buffer")`` for a placeholder source that is model state."""
+    m = _STATE.match(source)
+    if m is None:
+        return None
+    path = ".".join(_CHILD.findall(m.group(2)))
+    return path, m.group(4), "parameter" if m.group(3) == "_parameters" else "buffer"
+
+
+def _input_name(source: str) -> str | None:
+    m = _LOCAL_NAME.match(source)
+    return m.group(1) if m else None
+
+
+_ROOT = re.compile(r"^L\['\w+'\]\.?|^L__\w+?___?")
+
+
+def clean_path(path: str) -> str:
+    """``L['self'].layer1[0].conv1`` (any name for the frame's ``self``) → ``layer1.0.conv1``."""
+    return _clean_export_path(_ROOT.sub("", path))
+
+
+def _scope(node: Node) -> tuple[str, str | None, tuple[str, ...]]:
+    """(module path, module type, stack keys) of the innermost module ``node`` ran in."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "", None, ()
+    path, typ = list(stack.values())[-1]
+    type_name = typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1].rstrip("'>")
+    return clean_path(str(path)), type_name, tuple(stack)
+
+
+def _op_name(node: Node) -> str:
+    target = node.target
+    if isinstance(target, str):
+        return target
+    name = getattr(target, "__name__", None) or type(target).__name__
+    return str(name).lstrip("_") or "op"
+
+
+@dataclass
+class NodeNamer:
+    """Stable node identities over every capture of one live module.
+
+    ``(frame, base, occurrence)`` maps to one name: recompiles of a frame reuse its names (their
+    rows merge); another frame (after a graph break) continues the numbering instead of clashing.
+    """
+
+    names: dict[tuple[int, str, int], str] = field(default_factory=dict)
+    used: set[str] = field(default_factory=set)
+
+    def name(self, frame: int, base: str, occurrence: int) -> str:
+        key = (frame, base, occurrence)
+        found = self.names.get(key)
+        if found is not None:
+            return found
+        n, candidate = occurrence, base if occurrence == 0 else f"{base}_{occurrence}"
+        while candidate in self.used:
+            n += 1
+            candidate = f"{base}_{n}"
+        self.used.add(candidate)
+        self.names[key] = candidate
+        return candidate
+
+
+def _safe(name: str) -> str:
+    out = re.sub(r"\W", "_", name)
+    return out if out and not out[0].isdigit() else f"_{out}"
+
+
+@dataclass
+class Prepared:
+    """A graph ready for the passes: stable names, module paths, model state read by ``get_attr``.
+
+    ``keep``: which of Dynamo's arguments the graph still takes (the others are the model's own
+    parameters and buffers, read live from the model); ``constants``: ``{target: value}`` for
+    tensors and modules Dynamo's graph held itself, to be registered under ``fxdebug.*``.
+    """
+
+    graph: Graph
+    keep: list[int]
+    constants: dict[str, Any]
+
+
+def _resolve(model: Any, path: str, attr: str, kind: str) -> Any:
+    try:
+        owner = model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+    table = owner._parameters if kind == "parameter" else owner._buffers
+    return table.get(attr)
+
+
+def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: Any, space: str) -> Prepared:
+    """A copy of ``graph`` with stable node names; placeholders that are ``model``'s state become ``get_attr``.
+
+    A placeholder becomes ``get_attr`` only when the model's attribute at its source path is the
+    very tensor Dynamo passed (a frame whose ``self`` is not the model keeps its placeholders).
+    """
+    src = graph.gm
+    new = Graph()
+    env: dict[Node, Node] = {}
+    keep: list[int] = []
+    constants: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    sources = list(graph.sources)
+    index = -1
+
+    def arg(a: Any) -> Any:
+        return map_arg(a, lambda n: env[n])
+
+    for node in src.graph.nodes:
+        meta = {k: v for k, v in node.meta.items() if k not in ("grapharg", "fxdebug")}
+        if node.op == "placeholder":
+            index += 1
+            source = sources[index] if index < len(sources) else ""
+            state = state_name(source)
+            value = _resolve(model, *state) if state is not None else None
+            if state is not None and index < len(args) and value is args[index]:
+                path, attr, kind = state
+                out = new.get_attr(f"{path}.{attr}".lstrip("."))
+                out.meta.update(meta)
+                fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind)
+            else:
+                keep.append(index)
+                out = new.placeholder(_safe(_input_name(source) or node.name))
+                out.meta.update(meta)
+                fx_meta(out)["module"] = ""
+            env[node] = out
+            continue
+        if node.op == "output":
+            out = new.output(arg(node.args[0]))
+            out.meta.update(meta)
+            env[node] = out
+            continue
+        if node.op == "get_attr" or node.op == "call_module":  # Dynamo's own constants and modules
+            name = _safe(str(node.target).replace(".", "_"))
+            constants[name] = _fetch(src, str(node.target))
+            out = new.create_node(node.op, f"{space}.constants.{name}", arg(node.args), arg(node.kwargs), name=name)
+            out.meta.update(meta)
+            env[node] = out
+            continue
+        path, typ, keys = _scope(node)
+        if path and _is_scope_output(node, keys):
+            base = path.replace(".", "_")
+        else:
+            op = _op_name(node)
+            base = f"{path.replace('.', '_')}_{op}" if path else op
+        base = _safe(base)
+        k = counts.get(base, 0)
+        counts[base] = k + 1
+        out = new.create_node(node.op, node.target, arg(node.args), arg(node.kwargs),
+                              name=namer.name(graph.frame, base, k))
+        out.meta.update(meta)
+        fx_meta(out)["module"] = path
+        if typ is not None:
+            fx_meta(out)["module_type"] = typ
+        env[node] = out
+    return Prepared(new, keep, constants)
+
+
+def _fetch(gm: Any, target: str) -> Any:
+    value = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _is_scope_output(node: Node, keys: tuple[str, ...]) -> bool:
+    """Whether ``node``'s value leaves its innermost module (a user outside it, or the graph output)."""
+    if not keys:
+        return False
+    inner = keys[-1]
+    for user in node.users:
+        if user.op == "output":
+            return True
+        stack = user.meta.get("nn_module_stack") or {}
+        if inner not in stack:
+            return True
+    return False

@@ -1,0 +1,275 @@
+"""``LiveInstrumented``: the model as it is at every call, captured by TorchDynamo (``frontend="dynamo"``).
+
+The module holds the model itself (the same ``_modules``, ``_parameters`` and ``_buffers``
+dictionaries, not copies): a replaced submodule, a ``load_state_dict``, ``model.train()``, a
+config change or a hook added later is what the next call runs. Each call goes through
+``torch.compile(model, backend=fxdebug.capture.dynamo.backend)``; Dynamo's guards decide whether a
+graph captured before still holds, and capture again when not. Every graph Dynamo hands over
+(one per graph break, one per recompile) becomes one part: a copy named by stable node identity
+(``capture.dynamo.prepare``), run through the same passes on the arguments of its first call,
+and run eagerly from then on. Code between graphs runs eagerly and is named in the report, with
+the reason Dynamo gave.
+
+``report()`` merges every part: rows with the same identity (a recompile of the same code for
+``labels=``, another shape, ``model.train()``) become one row whose ``calls`` add up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.fx import Graph
+
+from fxdebug.authoring.context import NAMESPACE, PassContext
+from fxdebug.authoring.pipeline import Pass, PassManager
+from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, Prepared, backend, dynamo_config, live, prepare
+from fxdebug.capture.symbolic import TraceInfo
+from fxdebug.errors import UsageError
+from fxdebug.graph.inputs import Inputs
+from fxdebug.graph.meta import KEY, GraphRecord, graph_record
+from fxdebug.instrumented.module import Instrumented
+from fxdebug.report.distributed import _merge_rows
+from fxdebug.report.report import Report, merge_reports
+from fxdebug.runtime.lower import lower_observers
+from fxdebug.runtime.observer import Observer
+
+__all__ = ["LiveInstrumented"]
+
+_GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
+
+
+class LiveInstrumented(Instrumented):
+    """An ``Instrumented`` module whose graphs Dynamo captures, at every call, from the live model."""
+
+    _model: nn.Module
+
+    @classmethod
+    def _live(cls, model: nn.Module, passes: Sequence[Pass], prior: Report | None = None,
+              notes: Sequence[str] = ()) -> "LiveInstrumented":
+        graph = Graph()
+        graph.output(None)
+        gm = cls(nn.Module(), graph, class_name=type(model).__name__)
+        object.__setattr__(gm, "_model", model)
+        # the model's own dictionaries: what is replaced on the model is replaced here
+        gm._modules = model._modules
+        gm._parameters = model._parameters
+        gm._buffers = model._buffers
+        gm._non_persistent_buffers_set = model._non_persistent_buffers_set
+        gm.training = model.training
+        info = TraceInfo(frontend="dynamo")
+        info.notes.extend(notes)
+        gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
+        state = gm.__dict__
+        state["_passes"] = list(passes)
+        state["_prior"] = prior
+        state["_parts"] = {}  # DynamoGraph -> Instrumented, in capture order
+        state["_namer"] = NodeNamer()
+        state["_lock"] = threading.RLock()
+        state["_calls"] = 0
+        state["_compiled"] = torch.compile(model, backend=backend)
+        return gm
+
+    def recompile(self) -> Any:
+        code = GraphModule_recompile(self)
+        type(self).__call__ = LiveInstrumented._live_call  # type: ignore[method-assign]
+        type(self).forward = LiveInstrumented._live_call  # type: ignore[method-assign]
+        return code
+
+    def _live_call(self, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__["_calls"] += 1
+        with live(self), dynamo_config(), warnings.catch_warnings():
+            # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
+            warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
+            return self.__dict__["_compiled"](*args, **kwargs)
+
+    # -- the session Dynamo's graphs run in ---------------------------------------------------------
+    def run_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> Any:
+        found = self.__dict__["_parts"].get(graph)
+        if found is None:
+            found = self._instrument_graph(graph, args)
+        part, keep = found.part, found.keep
+        return part(*[args[i] for i in keep])
+
+    def _instrument_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> "_Part":
+        with self.__dict__["_lock"]:
+            parts: dict[DynamoGraph, _Part] = self.__dict__["_parts"]
+            if graph in parts:
+                return parts[graph]
+            start = time.perf_counter()
+            model = self._model
+            prepared = prepare(graph, self.__dict__["_namer"], args, model, NAMESPACE)
+            part = _part_over(model, prepared)
+            info = TraceInfo(frontend="dynamo")
+            if graph.graph_break:
+                info.notes.append(f"dynamo: this graph ends at a graph break ({graph.where or '?'})")
+            part.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
+            inputs = Inputs(*[args[i] for i in prepared.keep])
+            part = run_passes(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
+            info.seconds = time.perf_counter() - start
+            found = parts[graph] = _Part(part, prepared.keep)
+            return found
+
+    # -- what fxdebug knows -----------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self._model
+
+    def graphs(self) -> list[DynamoGraph]:
+        """Every graph Dynamo handed over while this module ran, in the order they were captured."""
+        return list(self.__dict__["_parts"])
+
+    def parts(self) -> dict[str, Instrumented]:  # type: ignore[override]
+        """``{"frame/recompile": Instrumented}`` for every graph captured so far, in capture order."""
+        return {g.key: p.part for g, p in self.__dict__["_parts"].items()}
+
+    def replace_part(self, path: str, new: Instrumented) -> "LiveInstrumented":
+        for g in self.__dict__["_parts"]:
+            if g.key == path:
+                self.__dict__["_parts"][g] = _Part(new, self.__dict__["_parts"][g].keep)
+                return self
+        raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
+
+    def observers(self) -> dict[str, Observer]:
+        out: dict[str, Observer] = {}
+        for part in self.parts().values():
+            for name, obs in part._own_observers().items():
+                out.setdefault(name, obs)
+        return out
+
+    def _own_observers(self) -> dict[str, Observer]:
+        return {}
+
+    def train(self, mode: bool = True) -> "LiveInstrumented":
+        self._model.train(mode)
+        self.training = mode
+        return self
+
+    def _summary_notes(self) -> list[str]:
+        graphs = self.graphs()
+        notes = list(self.trace_info.notes)
+        if not graphs:
+            return notes
+        frames = sorted({g.frame for g in graphs})
+        recompiles = len(graphs) - len(frames)
+        notes.append(f"dynamo: {len(graphs)} graph(s) captured over {len(frames)} frame(s); "
+                     f"{recompiles} recompile(s) (a guard failed: another mode, shape, keyword signature, "
+                     "attribute value or hook)")
+        seen: set[tuple[str, str]] = set()
+        for g in graphs:
+            if g.graph_break and (g.where, g.reason) not in seen:
+                seen.add((g.where, g.reason))
+                notes.append(f"dynamo: graph break at {g.where or '?'}: the code from there to the next graph ran "
+                             f"eagerly, unobserved; Dynamo's reason: {g.reason.split(' Hint:')[0][:300]}")
+        return notes
+
+    def report(self, all_ranks: bool = False, **options: Any) -> Report:
+        if all_ranks:
+            return super().report(all_ranks=True, **options)
+        if options:
+            raise UsageError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
+        reports = [p._part_report() for p in self.parts().values()]
+        by_name: dict[str, list[dict[str, Any]]] = {}
+        for rep in reports:
+            for row in rep.rows:
+                by_name.setdefault(row["node"], []).append(row)
+        rows = []
+        for name, found in by_name.items():
+            rows.append(found[0] if len(found) == 1 else _merge_rows([[r] for r in found])[0][0])
+        columns = [c for rep in reports for c in rep.columns]
+        notes = [n for rep in reports for n in rep.notes]
+        one = Report(rows=rows, columns=columns, notes=list(dict.fromkeys(notes)), calls=self.__dict__["_calls"],
+                     frontend="dynamo")
+        merged = merge_reports({"": one}, frontend="dynamo", notes=self._summary_notes())
+        merged.calls = self.__dict__["_calls"]
+        return merged
+
+    def reset(self) -> None:
+        for part in self.parts().values():
+            part.reset()
+        self.__dict__["_calls"] = 0
+
+    def learn_shapes(self, example_inputs: Any) -> None:
+        """Shapes are learnt from the arguments of each graph's first call."""
+
+    def to_module(self, shrink: bool = False) -> nn.Module:
+        raise UsageError("to_module() makes one plain GraphModule, and a live (Dynamo) capture is a set of graphs "
+                         "around eager code: instrument with frontend='symbolic' (or 'export') to get one.")
+
+    def retrace(self) -> Instrumented:
+        return LiveInstrumented._live(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
+                                      self.trace_info.notes)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "LiveInstrumented":
+        import copy
+
+        return LiveInstrumented._live(copy.deepcopy(self._model, memo), self.__dict__["_passes"],
+                                      self.__dict__["_prior"], self.trace_info.notes)
+
+    def __reduce__(self) -> Any:
+        return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes)))
+
+
+@dataclass
+class _Part:
+    part: Instrumented
+    keep: list[int]  # Dynamo's arguments the graph takes (the rest are model state, read live)
+
+
+def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
+    """An ``Instrumented`` graph that reads the model's state live: the model's own dictionaries.
+
+    fxdebug's modules (observers, Dynamo's constants) live under ``fxdebug`` in the part's own
+    ``__dict__``, never inside the model's ``_modules``.
+    """
+    space, consts = nn.Module(), nn.Module()
+    for name, value in prepared.constants.items():
+        if isinstance(value, nn.Module):
+            consts.add_module(name, value)
+        elif isinstance(value, nn.Parameter):
+            consts.register_parameter(name, value)
+        else:
+            consts.register_buffer(name, value, persistent=False)
+    space.add_module("constants", consts)
+    holder = nn.Module()
+    holder._modules = OrderedDict(model._modules)
+    holder._modules[NAMESPACE] = space
+    holder._parameters = model._parameters
+    holder._buffers = model._buffers
+    part = Instrumented(holder, prepared.graph, class_name=type(model).__name__)
+    part._modules = model._modules
+    part._parameters = model._parameters
+    part._buffers = model._buffers
+    part._non_persistent_buffers_set = model._non_persistent_buffers_set
+    part.__dict__[NAMESPACE] = space
+    return part
+
+
+def _load_live(model: nn.Module, passes: list[Any], notes: list[str]) -> LiveInstrumented:
+    return LiveInstrumented._live(model, passes, None, notes)
+
+
+def GraphModule_recompile(gm: Any) -> Any:  # noqa: N802 - GraphModule.recompile, skipping Instrumented's
+    from torch.fx import GraphModule
+
+    return GraphModule.recompile(gm)
+
+
+def run_passes(part: Instrumented, passes: Sequence[Pass], inputs: Any, prior: Report | None = None) -> Instrumented:
+    """Run ``passes`` over one graph, on the inputs it is called with; observers lowered."""
+    ctx = PassContext(inputs, prior_report=prior)
+    ctx.specs(part)
+    manager = PassManager(list(passes))
+    new = manager.run(part, ctx)
+    if any(not p.observe_only for p in passes):
+        ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
+    lower_observers(new)  # fused observers become direct op calls (runtime/lower.py)
+    graph_record(new).passes.extend(manager.results)
+    assert isinstance(new, Instrumented)
+    return new

@@ -1,0 +1,214 @@
+"""Live capture: the instrumented module is the model as it is at every call (issue 23).
+
+Each test changes the model after ``instrument()`` the way real workflows do, and checks on the
+default frontend that the instrumented run equals a plain copy of the model — outputs, parameter
+gradients and buffers — at every call.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fxdebug
+from fxdebug.passes import NaNCheck, StatCollector
+
+FRONTEND = {"frontend": "dynamo"}
+
+
+def _passes():
+    return [NaNCheck(mode="record"), StatCollector()]
+
+
+def _same(dbg, ref, dbg_model, *args, **kwargs):
+    for m in (dbg_model, ref):
+        m.zero_grad(set_to_none=True)
+    out, want = dbg(*args, **kwargs), ref(*args, **kwargs)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)  # bitwise
+    if out.requires_grad and torch.isfinite(out).all():
+        out.sum().backward()
+        want.sum().backward()
+        for (name, p), q in zip(dbg_model.named_parameters(), ref.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(dbg_model.named_buffers(), ref.buffers()):
+        assert torch.equal(b, c), name
+    return out
+
+
+def _pair(model, *example, **kw):
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, _passes(), example_inputs=example if example else None, **FRONTEND)
+    return dbg, ref
+
+
+class FrozenBN(nn.Module):
+    """torchvision's FrozenBatchNorm2d: arithmetic over buffers in forward."""
+
+    def __init__(self, n):
+        super().__init__()
+        for name, init in (("weight", torch.ones), ("bias", torch.zeros), ("running_mean", torch.zeros),
+                           ("running_var", torch.ones)):
+            self.register_buffer(name, init(n))
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + 1e-5).rsqrt()
+        bias = self.bias - self.running_mean * scale
+        return x * scale + bias
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.bn = FrozenBN(8)
+        self.head = nn.Linear(8, 3)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.scale_up = False
+
+    def forward(self, x, labels=None):
+        self.step.add_(1)
+        h = torch.relu(self.bn(self.fc(x)))
+        if self.training:
+            h = h * 2
+        if self.scale_up:
+            h = h * 10
+        if torch.is_grad_enabled():
+            h = h + 1
+        if x.shape[0] > 8:
+            h = h - 1
+        out = self.head(h)
+        if labels is not None:
+            out = out + labels
+        return out
+
+
+def test_buffer_arithmetic_follows_load_state_dict():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    state = copy.deepcopy(model.state_dict())
+    state["bn.running_var"] = torch.rand(8) * 10
+    state["bn.running_mean"] = torch.randn(8)
+    model.load_state_dict(state)
+    ref.load_state_dict(state)
+    _same(dbg, ref, model, x)
+
+
+def test_buffer_counter_counts_every_call_and_not_instrument():
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    assert int(model.step) == 0  # instrument() itself ran no step
+    for _ in range(3):
+        _same(dbg, ref, model, x)
+    assert int(model.step) == 3 == int(ref.step)
+
+
+def test_replaced_submodule_runs():
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    model.head = nn.Linear(8, 3)
+    ref.head = copy.deepcopy(model.head)
+    _same(dbg, ref, model, x)
+    model.head = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 3))
+    ref.head = copy.deepcopy(model.head)
+    _same(dbg, ref, model, x)
+    assert any(r["module"].startswith("head.") for r in dbg.report().rows)
+
+
+def test_train_on_the_model_is_seen():
+    model, x = Net().eval(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    model.train()
+    ref.train()
+    _same(dbg, ref, model, x)
+    model.eval()
+    ref.eval()
+    _same(dbg, ref, model, x)
+
+
+def test_config_attribute_flip_is_seen():
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    model.scale_up = ref.scale_up = True
+    _same(dbg, ref, model, x)
+
+
+def test_hook_added_after_instrument_runs():
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    for m in (model, ref):
+        m.fc.register_forward_hook(lambda mod, inp, out: out * 3)
+    out = _same(dbg, ref, model, x)
+    unhooked = copy.deepcopy(ref)
+    unhooked.fc._forward_hooks.clear()
+    assert not torch.equal(out, unhooked(x))  # the hook changed the output, and the live module ran it
+
+
+def test_grad_mode_branch():
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    with torch.no_grad():
+        _same(dbg, ref, model, x)
+
+
+def test_dynamic_dim_branch():
+    model = Net()
+    dbg, ref = _pair(model, torch.randn(2, 4))
+    for n in (2, 12, 3, 16):
+        _same(dbg, ref, model, torch.randn(n, 4))
+
+
+def test_kwargs_signature_change_is_reported():
+    model, x = Net(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x, labels=torch.randn(2, 3))
+    _same(dbg, ref, model, x)
+    _same(dbg, ref, model, x, labels=torch.full((2, 3), float("nan")))
+    report = dbg.report()
+    assert report.calls == 3
+    assert all(r["calls"] > 0 for r in report.rows)
+    assert report.row("fc")["calls"] == 3  # one row over every capture
+    assert report.first_nonfinite == "labels"  # the NaN input of the third call, in its own capture
+    assert any("recompile" in n for n in report.notes)
+
+
+def test_report_has_module_paths_and_call_counts():
+    model, x = Net(), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, _passes(), example_inputs=(x,), **FRONTEND)
+    for _ in range(2):
+        dbg(x)
+    rows = {r["node"]: r for r in dbg.report().rows}
+    assert rows["fc"]["module"] == "fc" and rows["head"]["module"] == "head"
+    assert rows["fc"]["calls"] == 2
+
+
+def test_graph_break_code_is_named_as_eager():
+    class Breaks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            print("", end="")  # a graph break
+            return self.b(x)
+
+    model, x = Breaks(), torch.randn(2, 4)
+    dbg, ref = _pair(model, x)
+    _same(dbg, ref, model, x)
+    report = dbg.report()
+    assert {"a", "b"} <= {r["node"] for r in report.rows}
+    assert len(dbg.parts()) == 2
+    assert any("graph break" in n and "eagerly" in n for n in report.notes)
