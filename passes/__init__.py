@@ -30,6 +30,7 @@ _WHERE = {
     "Freeze": "gradient_tools",
     "Profile": "profile",
     "ParamGrads": "param_grads",
+    "ParamUpdates": "param_updates",
     "Histograms": "histograms",
 }
 

@@ -1,0 +1,261 @@
+"""``ParamUpdates(optimizer)``: how far each optimizer step moved each parameter, without a sync.
+
+Update-norm spikes come before loss spikes: a step that moves a weight by far more, relative to
+its size, than the steps before it is the warning. ``ParamUpdates`` hooks the optimizer's step
+(``register_step_pre_hook`` / ``register_step_post_hook``): before the step it copies the
+parameters into buffers it keeps; after it, one ``torch._foreach_norm`` of the differences and one
+of the old weights go into a small table on the device. Per parameter it keeps
+
+* ``update_norm`` — the L2 norm of the last step's change;
+* ``update_ratio`` — that norm over the weight's L2 norm before the step;
+* ``update_spike`` — the largest factor by which a step's ratio exceeded the running median of the
+  ratios of the steps before it (the last 64; from the 4th step on), and the step it happened at.
+
+Nothing is read back to the host until the report is. The report row of the node that calls a
+module (for a parameter read directly, the node that uses it) carries the module's figures — its
+parameters together, plus ``param_updates``, each parameter's own by name — and
+``Report.findings()`` gives ``kind="update_spike"`` where a parameter's factor reaches 10
+(``findings(update_spike=...)`` changes it). ``ParamUpdates(...).rows()`` lists every parameter
+the optimizer holds, keyed by name. Costs: one copy of the parameters in memory, and per step a
+copy, a subtraction and two norms over them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.fx import GraphModule, Node
+
+import fxdebug
+import fxdebug.authoring
+from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError
+
+__all__ = ["ParamUpdates"]
+
+WINDOW = 64  # steps in the running median
+WARMUP = 3  # ratios needed before a step can be called a spike
+SPIKE = 10.0
+
+
+def _columns() -> tuple[Column, ...]:
+    rule = getattr(fxdebug.authoring, "FindingRule", None)
+    spike: dict[str, Any] = {"threshold": SPIKE}
+    if rule is not None:
+        spike["finding"] = rule(
+            kind="update_spike", option="update_spike",
+            message=("{where}: at optimizer step {update_spike_step} the update of {update_spike_param}, relative to "
+                     "its weight, was {value}x its running median (threshold {threshold}x)."),
+            fix=("check that parameter group's learning rate and schedule, and the gradient at that step; clip "
+                 "gradients or lower the learning rate."))
+    return (
+        Column("update_norm", format=".3g", doc="L2 norm of the last step's change of the module's parameters"),
+        Column("update_ratio", format=".3g", doc="last update norm / weight norm before that step"),
+        Column("update_spike", format=".1f", doc="largest jump of a parameter's update ratio over its running median",
+               **spike),
+        Column("update_spike_param", roles=HIDDEN, doc="the parameter whose update ratio jumped most"),
+        Column("update_spike_step", roles=HIDDEN, doc="the optimizer step (0-based) of that jump"),
+        Column("update_spike_ratio", roles=HIDDEN, doc="the update ratio at that step"),
+        Column("param_updates", roles=HIDDEN, doc="each parameter's update_norm, update_ratio, update_spike by name"),
+    )
+
+
+class UpdateTable:
+    """The device table behind ``ParamUpdates``: one row per parameter of the optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.names: dict[int, str] = {}
+        self.steps = 0
+        self._state: dict[str, Tensor] | None = None
+        self._before: list[Tensor] = []
+        self._had_grad: list[bool] = []
+        self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
+
+    def _fresh(self, device: torch.device) -> dict[str, Tensor]:
+        n = len(self.params)
+        f32 = dict(dtype=torch.float32, device=device)
+        nan = float("nan")
+        return {"norm": torch.full((n,), nan, **f32), "ratio": torch.full((n,), nan, **f32),
+                "history": torch.full((n, WINDOW), nan, **f32), "spike": torch.zeros(n, **f32),
+                "spike_ratio": torch.zeros(n, **f32),
+                "spike_step": torch.full((n,), -1, dtype=torch.int64, device=device),
+                "step": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if len(params) != len(self.params):  # add_param_group after ParamUpdates was made
+            self.params = params
+            self.index = {id(p): i for i, p in enumerate(params)}
+            self._state, self._before = None, []
+        if not self._before or any(b.shape != p.shape for b, p in zip(self._before, params)):
+            self._before = [torch.empty_like(p, memory_format=torch.preserve_format).detach() for p in params]
+        self._had_grad = [p.grad is not None for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_(self._before, [p.detach() for p in params])
+
+    def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self.params:
+            return
+        device = self.params[0].device
+        if self._state is None or self._state["norm"].device != device:
+            self._state = self._fresh(device)
+        s = self._state
+        with torch.no_grad():
+            after = [p.detach() for p in self.params]
+            diff = torch._foreach_sub(after, self._before)
+            upd = torch.stack([n.to(device) for n in torch._foreach_norm(diff, 2, dtype=torch.float32)])
+            wn = torch.stack([n.to(device) for n in torch._foreach_norm(self._before, 2, dtype=torch.float32)])
+            stepped = torch.tensor(self._had_grad, device=device) if device.type == "cpu" else \
+                torch.tensor(self._had_grad).to(device, non_blocking=True)
+            ratio = torch.where(stepped & (wn > 0), upd / wn, torch.full_like(upd, float("nan")))
+            hist = s["history"]
+            median = hist.nanmedian(dim=1).values
+            enough = (~hist.isnan()).sum(1) >= WARMUP
+            jump = torch.where(enough & (median > 0) & ~ratio.isnan(), ratio / median, torch.zeros_like(ratio))
+            jump = torch.nan_to_num(jump, nan=0.0, posinf=float(torch.finfo(torch.float32).max))
+            higher = jump > s["spike"]
+            s["spike"] = torch.where(higher, jump, s["spike"])
+            s["spike_ratio"] = torch.where(higher, ratio, s["spike_ratio"])
+            s["spike_step"] = torch.where(higher, s["step"], s["spike_step"])
+            s["norm"] = torch.where(stepped, upd, s["norm"])
+            s["ratio"] = torch.where(stepped, ratio, s["ratio"])
+            hist[:, self.steps % WINDOW] = ratio
+            s["step"].add_(1)
+        self.steps += 1
+
+    def host(self) -> dict[str, list[Any]] | None:
+        """The table as Python lists (the one sync)."""
+        if self._state is None or self._state["norm"].device.type == "meta":
+            return None
+        return {k: v.cpu().tolist() for k, v in self._state.items() if k != "history"}
+
+    def name(self, p: nn.Parameter) -> str:
+        return self.names.get(id(p), f"param{self.index.get(id(p), '?')}")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+class ParamUpdateProbe(Probe):
+    """Puts the update figures of ``params`` (``{name: Parameter}``) on its node's report row."""
+
+    key = "param_updates"
+
+    def __init__(self, table: UpdateTable, params: dict[str, nn.Parameter]) -> None:
+        self.table = table
+        self.params = params
+        self.columns = _columns()
+
+    def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
+        return {}
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        return None  # the figures come from the optimizer's hooks, not from the activation
+
+    def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
+        host = self.table.host()
+        if host is None:
+            return {}
+        per: dict[str, dict[str, Any]] = {}
+        sq_upd = sq_w = 0.0
+        best: tuple[float, str, int, float] = (0.0, "", -1, 0.0)
+        for name, p in self.params.items():
+            i = self.table.index.get(id(p))
+            if i is None:
+                continue
+            norm, ratio, spike = host["norm"][i], host["ratio"][i], host["spike"][i]
+            per[name] = {"update_norm": _num(norm), "update_ratio": _num(ratio), "update_spike": spike,
+                         "update_spike_step": host["spike_step"][i] if spike > 0 else None}
+            if _num(norm) is not None and _num(ratio) is not None and ratio > 0:
+                sq_upd += norm * norm
+                sq_w += (norm / ratio) ** 2
+            if spike > best[0]:
+                best = (spike, name, int(host["spike_step"][i]), host["spike_ratio"][i])
+        if not per or all(v["update_norm"] is None for v in per.values()):
+            return {"param_updates": per} if per else {}
+        out: dict[str, Any] = {"update_norm": sq_upd ** 0.5, "update_ratio": (sq_upd / sq_w) ** 0.5 if sq_w else None,
+                               "update_spike": best[0], "param_updates": per}
+        if best[1]:
+            out.update(update_spike_param=best[1], update_spike_step=best[2], update_spike_ratio=best[3])
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ParamUpdateProbe":
+        return self  # a copy of the model still reports the one live optimizer's steps
+
+
+def _num(v: Any) -> float | None:
+    return None if v is None or v != v else float(v)
+
+
+class ParamUpdates(fxdebug.Pass):
+    """Per-parameter update norm and update/weight ratio of every ``optimizer`` step (no sync).
+
+    Args:
+        optimizer: the ``torch.optim.Optimizer`` (or ``fxdebug.guard`` of one) that trains the model.
+
+    See the module docstring for the figures and the ``update_spike`` finding.
+    """
+
+    name = "param-updates"
+    observe_only = True
+
+    def __init__(self, optimizer: Any) -> None:
+        super().__init__()
+        inner = getattr(optimizer, "optimizer", optimizer)  # fxdebug.guard(...) wraps one
+        if not isinstance(inner, torch.optim.Optimizer):
+            raise UsageError(f"ParamUpdates(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        self.table = UpdateTable(inner)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per parameter of the optimizer, keyed by its name (``param``), in group order:
+        ``group``, ``update_norm``, ``update_ratio``, ``update_spike``, ``update_spike_step`` (syncs once)."""
+        host = self.table.host()
+        groups = {id(p): gi for gi, g in enumerate(self.table.optimizer.param_groups) for p in g["params"]}
+        out = []
+        for i, p in enumerate(self.table.params):
+            row: dict[str, Any] = {"param": self.table.name(p), "group": groups.get(id(p))}
+            if host is not None:
+                row.update(update_norm=_num(host["norm"][i]), update_ratio=_num(host["ratio"][i]),
+                           update_spike=host["spike"][i],
+                           update_spike_step=host["spike_step"][i] if host["spike"][i] > 0 else None)
+            out.append(row)
+        return out
+
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
+        tracked = set(self.table.index)
+        for name, p in gm.named_parameters():
+            if id(p) in tracked:
+                self.table.names.setdefault(id(p), name)
+        groups: dict[Node, dict[str, nn.Parameter]] = {}
+        seen: set[int] = set()
+        for node in list(gm.graph.nodes):
+            if fxdebug.is_instrumentation(node):
+                continue
+            params: dict[str, nn.Parameter] = {}
+            host: Node | None = None
+            if node.op == "call_module" and not str(node.target).startswith("fxdebug."):
+                try:
+                    module = gm.get_submodule(str(node.target))
+                except AttributeError:
+                    continue
+                params = {f"{node.target}.{k}": v for k, v in module.named_parameters()}
+                host = node
+            elif node.op == "get_attr":
+                value = fxdebug.authoring.get_attr(gm, str(node.target))
+                if isinstance(value, nn.Parameter):
+                    params = {str(node.target): value}
+                    users = [u for u in node.users if not fxdebug.is_instrumentation(u)]
+                    host = users[0] if users else None
+            params = {k: p for k, p in params.items() if id(p) in tracked and id(p) not in seen}
+            if not params or host is None:
+                continue
+            seen.update(id(p) for p in params.values())
+            groups.setdefault(host, {}).update(params)
+        added = [ctx.observe(host, ParamUpdateProbe(self.table, params)) for host, params in groups.items()]
+        return PassResult(gm, added=[a for a in added if a is not None])
