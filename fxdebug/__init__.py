@@ -30,6 +30,7 @@ from fxdebug.api import instrument, render, trace
 from fxdebug.instrumented.module import Instrumented
 from fxdebug import numerics
 from fxdebug.numerics import diff, precision_plan, repro
+from fxdebug.numerics.align import Alignment, align
 from fxdebug.graph.module_outputs import outputs_of
 from fxdebug.graph.meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
 from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
@@ -47,6 +48,7 @@ from fxdebug.training.guard import guard
 __version__ = "0.1.0"
 
 __all__ = [
+    "Alignment",
     "ArgumentTypeError",
     "DeviceMismatchError",
     "DistributedError",
@@ -71,6 +73,7 @@ __all__ = [
     "UsageError",
     "Verification",
     "VerificationError",
+    "align",
     "authoring",
     "collect",
     "diff",

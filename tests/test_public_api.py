@@ -20,7 +20,7 @@ import fxdebug.passes
 ROOT = Path(__file__).resolve().parent.parent
 
 USER_API = {
-    "ArgumentTypeError", "DeviceMismatchError", "DistributedError", "FxDebugError", "GradcheckResult", "InplaceError", "Inputs",
+    "Alignment", "align", "ArgumentTypeError", "DeviceMismatchError", "DistributedError", "FxDebugError", "GradcheckResult", "InplaceError", "Inputs",
     "Instrumented", "LeafInfo", "MissingInputsError", "NonFiniteError", "Pass", "PassContext", "PassError",
     "PassManager", "PassResult", "Report", "Sensitivity", "ShapeMismatchError", "TraceError", "TraceInfo",
     "UsageError", "Verification", "VerificationError", "authoring", "collect", "gradcheck", "graph_pass", "guard",

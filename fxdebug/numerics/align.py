@@ -416,14 +416,15 @@ class _Matcher:
 
     def counterpart(self, ci: int) -> tuple[int | None, float, float]:
         """The reference op where the reference side parts (``reference_entries``), preferring one
-        inside the reference module that ``ci``'s module corresponds to; the error between the two
+        inside the reference module that ``ci``'s module corresponds to, then a float one; the error between the two
         (in the best layout, ``nan`` for ops of different sizes) and the floor."""
         C, R = self.C.trace, self.R.trace
         c = C.ops[ci]
         entries = self.reference_entries()
         home = self.module_map(c.module)
         inside = [j for j in entries if home is not None and _within(R.ops[j].module, home)]
-        pick = inside[0] if inside else (entries[0] if entries else None)
+        floats = [j for j in entries if R.ops[j].value.is_floating_point()]  # an int position is rarely the culprit
+        pick = next(iter([j for j in inside if j in floats] + inside + floats + entries), None)
         if pick is None:
             return None, math.nan, self.tol(c, None)
         r = R.ops[pick]
@@ -511,15 +512,17 @@ class Alignment:
 
         return SideDiff.of(self, side)
 
-    def render(self, path_prefix: str | os.PathLike[str]) -> tuple[str, str]:
+    def render(self, path_prefix: str | os.PathLike[str], ext: str = "svg", **options: Any) -> tuple[str, str]:
         """Draw both recorded graphs, coloured by the alignment: ``<prefix>.reference.svg`` and
-        ``<prefix>.candidate.svg`` (the first divergence highlighted on each). Returns the paths."""
+        ``<prefix>.candidate.svg`` (the first divergence highlighted on each; ``ext="html"`` writes
+        the viewer, opened as a heat map of error over noise floor). ``options`` go to ``render``
+        (``depth``, ``fold``). Returns the two paths."""
         from fxdebug.render.draw import render as draw
 
         prefix = os.fspath(path_prefix)
         out = []
         for side in ("reference", "candidate"):
-            out.append(draw(self.graph(side), f"{prefix}.{side}.svg", diff=self.side(side)))
+            out.append(draw(self.graph(side), f"{prefix}.{side}.{ext}", diff=self.side(side), **options))
         return out[0], out[1]
 
     def _side(self, side: str) -> Trace:
