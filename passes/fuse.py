@@ -11,7 +11,7 @@ mode or has no running statistics, when the conv's output has other users, or (L
 BatchNorm1d) when the batch-norm does not normalise the linear's feature dimension.
 
 Each fused layer is checked against the pair it replaces on the example inputs; the maximum
-absolute difference goes to the notes and to ``node.meta["fxdebug"]["fused"]``, and a difference
+absolute difference goes to the notes and to ``node_meta(n).transforms["fuse"]``, and a difference
 beyond the tolerance raises ``PassError`` instead of returning a wrong model.
 """
 
@@ -26,7 +26,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from .derived import mark_derived
-from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, fx_meta, node_values, replace_pattern
+from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, node_values, replace_pattern
 
 __all__ = ["Fuse", "fold_batchnorm"]
 
@@ -131,7 +131,7 @@ class Fuse(Pass):
         for pattern in patterns:
             for rep in replace_pattern(gm, pattern, build=build, ctx=ctx, where=self.where):
                 info = infos[rep.match.anchor.name]
-                fx_meta(rep.output)["fused"] = info
+                ctx.record(rep.output, info, stands_for=info["layer"])
                 replaced[rep.match.anchor.name] = rep.output.name
                 replaced[rep.match.nodes[0].name] = rep.output.name
                 diff = f": max |diff| {info['max_abs_diff']:.2e}" if "max_abs_diff" in info else ""

@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import get_attr
+from fxdebug.authoring import get_attr, node_meta
 
 __all__ = ["Freeze", "GradientScale"]
 
@@ -218,12 +218,11 @@ class Freeze(fxdebug.Pass):
         wrapper = ctx.add_module(gm, f"frozen_{node.name}", _FrozenCall(self, names))
         with gm.graph.inserting_before(node):
             ref = gm.graph.get_attr(target)
-        meta = fxdebug.fx_meta(ref)
-        meta["module"], meta["frozen_ref"] = target, True  # the module object itself, handed to the wrapper
-        node_meta = fxdebug.fx_meta(node)
-        node_meta.setdefault("module", target)
-        node_meta.setdefault("module_type", type(mod).__name__)
-        node_meta["frozen"] = list(names)
+        node_meta(ref).module = target  # the module object itself, handed to the wrapper
+        meta = node_meta(node)
+        meta.module = meta.module or target
+        meta.module_type = meta.module_type or type(mod).__name__
+        ctx.record(node, {"params": list(names)}, stands_for=target)
         node.target = wrapper
         node.args = (ref, *node.args)
 

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
-from fxdebug.authoring import get_attr
+from fxdebug.authoring import GRADIENT, GRADIENT_MEAN, VALUE, get_attr, node_meta
 
 __all__ = ["ParamGradProbe", "ParamGrads"]
 
@@ -39,8 +39,10 @@ class ParamGradProbe(Probe):
 
     key = "param_grads"
     columns = (
-        Column("param_grad_mean_abs", doc="mean |gradient| of the module's parameters"),
-        Column("param_grad_max_abs", doc="largest |gradient| of the module's parameters"),
+        Column("param_grad_mean_abs", roles=(VALUE, GRADIENT_MEAN),
+               doc="mean |gradient| of the module's parameters"),
+        Column("param_grad_max_abs", roles=(VALUE, GRADIENT), label="parameter gradients",
+               doc="largest |gradient| of the module's parameters"),
         Column("param_grad_norm", doc="RMS over backward passes of the parameters' gradient L2 norm"),
         Column("param_count", roles=HIDDEN, doc="parameter elements of the module"),
         Column("param_grad_calls", roles=HIDDEN, doc="backward passes that reached the parameters"),
@@ -108,6 +110,18 @@ class ParamGradProbe(Probe):
         return state
 
 
+def _module_params(gm: GraphModule, node: Node) -> tuple[dict[str, nn.Parameter], str]:
+    """``(parameters, owner path)`` of a ``call_module`` node: the module's own; for a module
+    fxdebug made without parameters of its own (Freeze's wrapper), those of the module it stands for."""
+    target = str(node.target)
+    if not target.startswith("fxdebug."):
+        return dict(gm.get_submodule(target).named_parameters()), target
+    stands_for = node_meta(node).stands_for
+    if stands_for and not any(True for _ in gm.get_submodule(target).parameters()):
+        return dict(gm.get_submodule(stands_for).named_parameters()), stands_for
+    return {}, target  # a module fxdebug made with weights of its own (a fused conv): derived, not the model's
+
+
 def _host(node: Node) -> Node | None:
     """The node whose row carries the statistics: ``node`` itself, or for a module returning a
     tuple (an LSTM) its first ``getitem`` user."""
@@ -147,10 +161,8 @@ class ParamGrads(fxdebug.Pass):
             params: dict[str, nn.Parameter] = {}
             host: Node | None = None
             target = str(node.target)
-            if node.op == "call_module" and fxdebug.fx_meta(node).get("frozen") is not None:
-                target = fxdebug.module_path(node)  # Freeze's wrapper: the module it calls
-            if node.op == "call_module" and not target.startswith("fxdebug."):
-                params = dict(gm.get_submodule(target).named_parameters())
+            if node.op == "call_module":
+                params, target = _module_params(gm, node)
                 host = _host(node)
             elif node.op == "get_attr":
                 value = get_attr(gm, str(node.target))

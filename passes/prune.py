@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResult, UsageError, fx_meta, get_module, is_conv, is_linear,
+from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResult, UsageError, get_module, is_conv, is_linear,
                      keep_state, node_values)
+from fxdebug.authoring import node_meta
 
 from .derived import mark_derived
 from .prune_groups import channel_groups
@@ -282,10 +283,9 @@ class PruneMasks(Pass):
                 info["channels"] = _zero_channels(layer, w)
             for node in [n for n in gm.graph.nodes if n.op == "call_module" and str(n.target) == path]:
                 node.target = target
-                meta = fx_meta(node)
                 ctx.copy_meta(node, node)
-                meta["module_type"] = type(layer).__name__
-                meta["pruned"] = info
+                node_meta(node).module_type = type(layer).__name__
+                ctx.record(node, info, stands_for=path)
                 replaced[node.name] = node.name
         stats = sparsity(gm)
         for path, s in stats["layers"].items():
@@ -342,7 +342,7 @@ def sparsity(gm: GraphModule) -> dict[str, Any]:
         masks = _masks_of(mod) if mod is not None else None
         if not masks or "weight" not in masks or masks["weight"].dim() < 2:
             continue  # batch-norm followers of pruned channels are not counted as weights
-        path = fx_meta(node).get("pruned", {}).get("layer", str(node.target))
+        path = node_meta(node).stands_for or str(node.target)
         if path in layers:
             continue
         w = masks["weight"]
@@ -358,6 +358,8 @@ def unmask(gm: GraphModule) -> GraphModule:
         mod = get_module(gm, node)
         if isinstance(mod, Masked):
             node.target = mod.path
-            fx_meta(node).pop("pruned", None)
+            meta = node_meta(node)
+            meta.transforms = {k: v for k, v in meta.transforms.items() if k != PruneMasks.name}
+            meta.raw.pop("stands_for", None)
     gm.recompile()
     return gm

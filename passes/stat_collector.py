@@ -30,6 +30,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import COLOR, HIDDEN, Column, FusedProbe, FusedStats, PassContext, PassResult, Where
+from fxdebug.authoring import FindingRule, activation_row
 
 
 __all__ = ["StatCollector", "channel_dim_of"]
@@ -57,6 +58,26 @@ def channel_dim_of(node: Node, ndim: int, gm: GraphModule) -> int | None:
     return -1
 
 
+DEAD_UNITS = FindingRule(
+    kind="dead_activations",
+    message="dead channels: {where}: {pct} of its {channels} channels never positive over {calls} call(s) "
+            "(threshold {threshold_pct}).",
+    fix="swap it for LeakyReLU (SwapActivation(only_dead={threshold}, where='{node}')), lower the learning rate, "
+        "or check the bias/initialisation of the layer before it.",
+    option="dead")
+"""An activation whose share of never-positive channels reaches the threshold (``findings(dead=...)``)."""
+
+
+def dead_over_ranks(rows: list[dict[str, Any]]) -> float | None:
+    """A channel is dead over all ranks only if its max is <= 0 on every rank: from each rank's
+    per-channel maxima (``chan_max``); ``None`` (unknown) when a rank has none."""
+    chans: list[Any] = [r.get("chan_max") for r in rows]
+    if not all(isinstance(c, (list, tuple)) for c in chans) or len({len(c) for c in chans}) != 1:
+        return None
+    top = [max(vals) for vals in zip(*chans)]
+    return sum(1 for v in top if v <= 0) / len(top) if top else None
+
+
 def stats_columns(counts: bool) -> tuple[Column, ...]:
     """What ``StatCollector`` reports, forward and (``grad_*``) backward."""
     cols = (
@@ -67,7 +88,8 @@ def stats_columns(counts: bool) -> tuple[Column, ...]:
         Column("mean_abs", phase="forward", doc="mean of |x|"),
         Column("mean_abs", roles=HIDDEN, phase="grad", doc="mean of |grad|"),
         Column("zero_frac", phase="both", doc="share of elements exactly zero"),
-        Column("dead_frac", roles=COLOR, threshold=0.5, doc="share of channels never positive (dead ReLU units)"),
+        Column("dead_frac", roles=COLOR, threshold=0.5, doc="share of channels never positive (dead ReLU units)",
+               label="dead", only=activation_row, merge=dead_over_ranks, finding=DEAD_UNITS),
         Column("norm", phase="both", doc="mean per-call L2 norm"),
         Column("count", roles=HIDDEN, phase="both", doc="elements seen over all calls"),
         Column("calls", roles=HIDDEN, phase="grad", doc="backward calls observed"),

@@ -108,7 +108,7 @@ class SwapActivation(Pass):
             info = {"from": op_label(node), "to": op_label(new) if new.op != "call_method" else "copy_"}
             if dead is not None:
                 info["dead_frac"] = dead
-            fx_meta(new)["swapped"] = info
+            ctx.record(new, info)
             replaced[node.name] = new.name
         if self.only_dead is not None:
             notes.insert(0, f"swapped {len(replaced)} ReLU(s) with dead fraction >= {self.only_dead}.")

@@ -85,7 +85,7 @@ def test_demo_prints_the_planted_problems_and_writes_the_svg(tmp_path):
     assert "dead channels: node 'stage2_act' (module stage2.act, ReLU): 75%" in out
     assert "SwapActivation(only_dead=0.5)" in out
     svg = fills(tmp_path / "demo.svg")
-    assert svg["log"] == COLORS["origin"] and svg["stage2_act"] == COLORS["dead"]
+    assert svg["log"] == COLORS["origin"] and svg["stage2_act"] == COLORS["hot"]
     assert (tmp_path / "demo.dot").exists()
 
 

@@ -103,7 +103,12 @@ def test_before_and_after_a_code_change():
 def test_nonfinite_counts_and_shapes_diverge_infinitely():
     a = [{"node": "x", "module": "", "op": "torch.log", "shape": (2,), "nonfinite_calls": 0, "mean": 1.0}]
     b = [{"node": "x", "module": "", "op": "torch.log", "shape": (2,), "nonfinite_calls": 1, "mean": 1.0}]
-    assert fxdebug.diff(a, b).row("x")["divergence"] == float("inf")
+    from fxdebug.passes.nan_check import nonfinite_columns
+    from fxdebug.runtime.columns import resolve_columns
+
+    ra, rb = (fxdebug.Report(rows=r, columns=resolve_columns(nonfinite_columns(False))) for r in (a, b))
+    assert fxdebug.diff(ra, rb).row("x")["divergence"] == float("inf")  # a NONFINITE column: any change counts
+    assert fxdebug.diff(a, b).row("x")["divergence"] == 1.0  # bare rows declare nothing: an ordinary number
     c = [{"node": "x", "module": "", "op": "torch.log", "shape": (3,), "nonfinite_calls": 0, "mean": 1.0}]
     assert fxdebug.diff(a, c).row("x")["column"] == "shape"
     with pytest.raises(TypeError):

@@ -153,23 +153,31 @@ def test_a_rank_failing_mid_step_gives_the_other_a_clear_error(tmp_path):
 
 
 def test_merge_rules_without_processes():
-    """The row merge itself: parallel variance, global extremes, summed counts, unknown dead_frac."""
+    """The row merge itself: parallel variance, global extremes, summed counts, and the declared merge
+    rules (StatCollector's dead fraction from per-channel maxima; unknown without them, never guessed)."""
+    from fxdebug.passes.nan_check import nonfinite_columns
+    from fxdebug.passes.stat_collector import stats_columns
     from fxdebug.report.distributed import _merge_rows
+    from fxdebug.runtime.columns import resolve_columns
+
+    columns = resolve_columns([*stats_columns(True), *nonfinite_columns(False)])
 
     a = torch.randn(100, dtype=torch.float64)
     b = torch.randn(37, dtype=torch.float64) * 3 + 1
     row = lambda t: {"node": "n", "module": "", "op": "x", "count": t.numel(), "calls": 1, "mean": float(t.mean()),  # noqa: E731
                      "std": float(t.std(unbiased=False)), "min": float(t.min()), "max": float(t.max()),
-                     "zero_frac": 0.0, "nan": 0, "dead_frac": 0.5, "nonfinite_first_call": None}
-    (merged,), notes = _merge_rows([[row(a)], [row(b)]])
+                     "zero_frac": 0.0, "nan": 0, "dead_frac": 0.5, "nonfinite_first_call": None,
+                     "nonfinite_calls": 1 if t is a else 0}
+    (merged,), notes = _merge_rows([[row(a)], [row(b)]], columns=columns)
     both = torch.cat([a, b])
     assert merged["count"] == 137 and merged["calls"] == 2
     assert merged["mean"] == pytest.approx(float(both.mean()), rel=1e-12)
     assert merged["std"] == pytest.approx(float(both.std(unbiased=False)), rel=1e-12)
     assert merged["min"] == float(both.min()) and merged["max"] == float(both.max())
     assert merged["dead_frac"] is None and any("chan_max" in n for n in notes)
+    assert merged["nonfinite_calls"] == 1  # a NONFINITE column sums by its role
     with_chan = [[{**row(a), "chan_max": [1.0, -1.0, 0.0]}], [{**row(b), "chan_max": [-2.0, 3.0, 0.0]}]]
-    (merged,), _ = _merge_rows(with_chan)
+    (merged,), _ = _merge_rows(with_chan, columns=columns)
     assert merged["dead_frac"] == pytest.approx(1 / 3)  # only the channel never positive on either rank
     assert not math.isnan(merged["std"])
 

@@ -45,8 +45,8 @@ def test_conv_and_transpose_fuse_exactly_enough(layer, dim):
     assert not any(fxdebug.is_batchnorm(n, dbg) for n in dbg.graph.nodes)
     with torch.no_grad():
         torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
-    fused = next(n for n in dbg.graph.nodes if "fused" in fxdebug.fx_meta(n))
-    info = fxdebug.fx_meta(fused)["fused"]
+    fused = next(n for n in dbg.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms)
+    info = fxdebug.authoring.node_meta(fused).transforms["fuse"]
     assert info["from"] == ["_0", "_1"] and info["max_abs_diff"] < 1e-5
     assert fxdebug.fx_meta(fused)["changed_by"] == ["fuse"] and fxdebug.fx_meta(fused)["module"] == "1"
     assert str(fused.target).startswith("fxdebug.")
@@ -112,18 +112,18 @@ def test_residual_cnn_fuses_every_pair_and_composes_with_other_passes():
     model, (x,) = ZOO["residual_cnn"]()
     _randomise_bn(model)
     dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
-    assert len([n for n in dbg.graph.nodes if "fused" in fxdebug.fx_meta(n)]) == 10
+    assert len([n for n in dbg.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms]) == 10
     swapped = fxdebug.instrument(model, [SwapActivation()], example_inputs=(x,))
     both = fxdebug.instrument(model, [Fuse(), SwapActivation(), StatCollector()], example_inputs=(x,))
     with torch.no_grad():
         torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(both(x), swapped(x), atol=1e-5, rtol=1e-5)
     rows = {r["node"]: r for r in both.report().rows}
-    fused_names = [n.name for n in both.graph.nodes if "fused" in fxdebug.fx_meta(n)]
+    fused_names = [n.name for n in both.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms]
     assert all(rows[name]["calls"] == 1 for name in fused_names)
     pruned = fxdebug.instrument(model, [Fuse(), PruneMasks(0.25, structured="channels"), SwapActivation()], example_inputs=(x,))
     assert torch.isfinite(pruned(x)).all()
-    assert sum("pruned" in fxdebug.fx_meta(n) for n in pruned.graph.nodes) == 10  # every conv; fc (the output) kept
+    assert sum("prune-masks" in fxdebug.authoring.node_meta(n).transforms for n in pruned.graph.nodes) == 10  # every conv; fc (the output) kept
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

@@ -18,9 +18,9 @@ from zoo import ZOO
 def _masks(dbg):
     out = {}
     for n in dbg.graph.nodes:
-        if "pruned" in fxdebug.fx_meta(n):
+        if "prune-masks" in fxdebug.authoring.node_meta(n).transforms:
             mod = dbg.get_submodule(str(n.target))
-            out[fxdebug.fx_meta(n)["pruned"]["layer"]] = mod.mask("weight") if hasattr(mod, "mask") else mod._fxdebug_masks["weight"]
+            out[fxdebug.authoring.node_meta(n).transforms["prune-masks"]["layer"]] = mod.mask("weight") if hasattr(mod, "mask") else mod._fxdebug_masks["weight"]
     return out
 
 
@@ -75,7 +75,7 @@ def test_bake_zeroes_copies_that_stay_zero_through_training():
     x = torch.randn(10, 6)
     original = model[0].weight.detach().clone()
     dbg = fxdebug.instrument(model, [PruneMasks(0.5, bake=True)], example_inputs=(x,))
-    baked = [dbg.get_submodule(str(n.target)) for n in dbg.graph.nodes if "pruned" in fxdebug.fx_meta(n)]
+    baked = [dbg.get_submodule(str(n.target)) for n in dbg.graph.nodes if "prune-masks" in fxdebug.authoring.node_meta(n).transforms]
     assert len(baked) == 2 and all(b is not model[0] and b is not model[2] for b in baked)
     opt = torch.optim.AdamW(dbg.parameters(), lr=0.1, weight_decay=0.1)
     for _ in range(3):
@@ -118,8 +118,8 @@ def test_structured_channels_keep_residual_couplings_consistent():
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
     dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels", scope="layer")], example_inputs=(x,))
-    chans = {fxdebug.fx_meta(n)["pruned"]["layer"]: fxdebug.fx_meta(n)["pruned"]["channels"]
-             for n in dbg.graph.nodes if "pruned" in fxdebug.fx_meta(n)}
+    chans = {fxdebug.authoring.node_meta(n).transforms["prune-masks"]["layer"]: fxdebug.authoring.node_meta(n).transforms["prune-masks"]["channels"]
+             for n in dbg.graph.nodes if "prune-masks" in fxdebug.authoring.node_meta(n).transforms}
     trunk1 = chans["stem.0"]
     assert trunk1 and chans["layer1.0.conv2"] == trunk1 == chans["layer1.1.conv2"] == chans["stem.1"]
     assert chans["layer2.0.down.0"] == chans["layer2.0.conv2"] == chans["layer2.1.conv2"]
@@ -153,7 +153,7 @@ def test_channel_groups_follow_concatenation_and_pin_inputs():
     pinned = [groups.pinned[i] for i, g in enumerate(groups.groups) if g[0][0] == "d"]
     assert pinned and all(p and "adds a value" in p for p in pinned)
     dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,))
-    assert "d" not in {fxdebug.fx_meta(n).get("pruned", {}).get("layer") for n in dbg.graph.nodes}
+    assert "d" not in {fxdebug.authoring.node_meta(n).transforms.get("prune-masks", {}).get("layer") for n in dbg.graph.nodes}
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -170,14 +170,14 @@ def test_structured_pruning_keeps_the_output_layer_by_default_and_says_so():
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
     dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,))
-    pruned = {fxdebug.fx_meta(n)["pruned"]["layer"] for n in dbg.graph.nodes if "pruned" in fxdebug.fx_meta(n)}
+    pruned = {fxdebug.authoring.node_meta(n).transforms["prune-masks"]["layer"] for n in dbg.graph.nodes if "prune-masks" in fxdebug.authoring.node_meta(n).transforms}
     assert "fc" not in pruned and "stem.0" in pruned
     assert any(n.startswith("kept fc: its output channels are the model's outputs") for n in dbg.pass_results[-1].notes)
     with torch.no_grad():
         assert (dbg(x) != 0).all(dim=0).all()  # no class is pinned to logit 0
     opted = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels", prune_outputs=True)], example_inputs=(x,))
-    zero = {fxdebug.fx_meta(n)["pruned"]["layer"]: fxdebug.fx_meta(n)["pruned"]["channels"]
-            for n in opted.graph.nodes if "pruned" in fxdebug.fx_meta(n)}["fc"]
+    zero = {fxdebug.authoring.node_meta(n).transforms["prune-masks"]["layer"]: fxdebug.authoring.node_meta(n).transforms["prune-masks"]["channels"]
+            for n in opted.graph.nodes if "prune-masks" in fxdebug.authoring.node_meta(n).transforms}["fc"]
     assert zero and torch.equal(opted(x)[:, zero], torch.zeros(x.shape[0], len(zero)))
 
 

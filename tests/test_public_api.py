@@ -36,10 +36,10 @@ DESIGN_NAMES = {
     "outputs_of",
 }
 AUTHORING_API = {
-    "CLOCK", "COLOR", "Column", "FusedProbe", "FusedStats", "GUARD", "GraphRecord", "HIDDEN", "INSTRUMENTATION",
+    "CLOCK", "COLOR", "Column", "FindingRule", "FusedProbe", "FusedStats", "GRADIENT", "GRADIENT_MEAN", "GUARD", "GraphRecord", "HIDDEN", "INSTRUMENTATION",
     "KNOWN_REQUIREMENTS", "Match", "NONFINITE", "NodeMeta", "ORIGIN", "ObservationContext", "Observer", "Pass",
     "PassContext", "PassManager", "PassResult", "Probe", "Reductions", "Replacement", "SAMPLE", "TensorSpec",
-    "VALUE", "Where", "describe", "find_pattern", "fx_meta", "get_attr", "get_module", "graph_pass", "graph_record",
+    "VALUE", "Where", "activation_row", "describe", "find_pattern", "fx_meta", "get_attr", "get_module", "graph_pass", "graph_record",
     "is_batchnorm", "is_conv", "is_inplace", "is_instrumentation", "is_kind", "is_linear", "is_relu", "is_view",
     "keep_state", "matches", "module_path", "module_type", "node_meta", "node_pass", "node_values", "op_label",
     "outputs_of", "register_kind", "replace_pattern", "source_line", "systematic_sample",
@@ -177,8 +177,6 @@ FLOORS = [
 UPWARD_DEBTS: set[tuple[str, str]] = {
     ("fxdebug.capture", "fxdebug.instrumented"),  # frontends build the module: they should return a Capture
     ("fxdebug.capture", "fxdebug.authoring"),  # a frontend reads the metadata namespace from the context
-    ("fxdebug.render", "fxdebug.authoring"),  # render learns shapes through PassContext's private names
-    ("fxdebug.report", "fxdebug.numerics"),  # Report.history / precision_origin know Shadow and Recorder
 }
 MAX_TOP_LEVEL_MODULES = 8
 
@@ -218,3 +216,31 @@ def test_every_import_points_down_the_floor_plan():
 def test_few_modules_at_the_top_of_the_package():
     top = [p.name for p in (ROOT / "fxdebug").glob("*.py")]
     assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at the top of fxdebug/: {sorted(top)}"
+
+
+# Keys that only a built-in pass writes (report columns, node.meta["fxdebug"] entries): the core
+# reads column declarations (roles, only=, merge=, finding=, answers=) and declared node metadata
+# (NodeMeta: transforms, stands_for) instead, so a user's pass gets the same treatment.
+BUILT_IN_KEYS = (
+    "dead_frac",  # StatCollector's dead fraction (Column(only=, merge=, finding=))
+    "param_grad",  # ParamGrads (roles GRADIENT / GRADIENT_MEAN)
+    "\"fused\"", "'fused'",  # Fuse (NodeMeta.transforms, stands_for)
+    "\"pruned\"", "'pruned'",  # PruneMasks
+    "\"swapped\"", "'swapped'",  # SwapActivation
+    "\"frozen\"", "'frozen'", "frozen_ref",  # Freeze
+)
+
+
+# The same words meaning something else: torch.optim's ``fused=`` flag of a parameter group.
+NOT_PASS_KEYS = {"fxdebug/training/guard.py": {"\"fused\""}}
+
+
+def test_core_knows_no_built_in_pass_key():
+    found = []
+    for path in sorted((ROOT / "fxdebug").rglob("*.py")):
+        name = str(path.relative_to(ROOT))
+        keys = [k for k in BUILT_IN_KEYS if k not in NOT_PASS_KEYS.get(name, set())]
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            found.extend(f"{name}:{i}: {key}" for key in keys if key in line)
+    assert not found, "the core names built-in passes' keys (declare them on the pass's Column / NodeMeta):\n" + \
+        "\n".join(found[:40])

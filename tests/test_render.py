@@ -26,10 +26,8 @@ class StatsProbe(fxdebug.Probe):
     """Last call's mean/min/max, zero and dead fractions; calls that saw NaN/Inf and the first one."""
 
     key = "test-stats"
-    columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5),
-               fxdebug.Column("nonfinite_calls", roles=fxdebug.NONFINITE),
-               fxdebug.Column("nonfinite_first_call", roles=fxdebug.ORIGIN))
-    columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5),
+    columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5, label="dead",
+                              only=fxdebug.authoring.activation_row),
                fxdebug.Column("nonfinite_calls", roles=fxdebug.NONFINITE),
                fxdebug.Column("nonfinite_first_call", roles=(fxdebug.ORIGIN, fxdebug.HIDDEN)))
 
@@ -148,10 +146,10 @@ def test_highlights_match_the_findings(sick):
     assert "NaN/Inf ORIGIN" in nodes["log"]["text"]
     assert nodes["mul"]["fill"] == COLORS["nonfinite"]  # downstream of the origin, saw NaN
     assert "NaN/Inf in 2 call(s)" in nodes["mul"]["text"]
-    assert nodes["block_act"]["fill"] == COLORS["dead"]
+    assert nodes["block_act"]["fill"] == COLORS["hot"]
     assert nodes["block_conv"]["fill"] == COLORS["op"]
     legend = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
-    assert "NaN/Inf origin" in legend and "dead-channel hot spot" in legend
+    assert "NaN/Inf origin" in legend and "hot spot" in legend
     assert "failed a shape/device check" not in legend  # only findings that are present
 
 
@@ -234,7 +232,7 @@ def test_collapsed_box_aggregates_findings(sick, tmp_path):
     dbg, report, _ = sick
     nodes, _ = parse(dbg.render(str(tmp_path / "agg.svg"), depth=1, fold=False))
     block = nodes["module/block"]
-    assert block["fill"] == COLORS["dead"] and "worst dead 75% (block_act)" in block["text"]
+    assert block["fill"] == COLORS["hot"] and "worst dead 75% (block_act)" in block["text"]
     head = nodes["module/head"]
     assert head["fill"] == COLORS["origin"] and "NaN/Inf ORIGIN inside: log" in head["text"]
     # By default the module holding the origin stays open, so the origin itself is drawn.
@@ -309,7 +307,7 @@ def test_render_doc_examples(tmp_path, monkeypatch):
     for block in blocks:
         exec(compile(block, "render.md", "exec"), ns)
     nodes, _ = parse(tmp_path / "demo.svg")
-    assert nodes["log"]["fill"] == COLORS["origin"] and nodes["stage2_act"]["fill"] == COLORS["dead"]
+    assert nodes["log"]["fill"] == COLORS["origin"] and nodes["stage2_act"]["fill"] == COLORS["hot"]
     assert "window.fxdebugViewer" in (tmp_path / "demo.html").read_text(encoding="utf-8")
 
 

@@ -55,10 +55,10 @@ def test_nothing_else_is_touched_and_model_is_not_mutated():
     after = {(n.name, n.op, str(n.target)) for n in dbg.graph.nodes}
     assert set(others) <= after
     assert isinstance(model.layer1[0].relu, nn.ReLU) and isinstance(model.stem[2], nn.ReLU)
-    swapped = [n for n in dbg.graph.nodes if "swapped" in fxdebug.fx_meta(n)]
+    swapped = [n for n in dbg.graph.nodes if "swap-activation" in fxdebug.authoring.node_meta(n).transforms]
     assert len(swapped) == 9
     meta = fxdebug.fx_meta(swapped[0])
-    assert meta["changed_by"] == ["swap-activation"] and meta["swapped"]["to"] == "LeakyReLU"
+    assert meta["changed_by"] == ["swap-activation"] and meta["transforms"]["swap-activation"]["to"] == "LeakyReLU"
     assert meta["module"] == "stem.2"
 
 
@@ -83,7 +83,7 @@ def test_inplace_semantics_are_kept(to):
 def test_to_factory_replaces_with_any_activation():
     model, (x,) = ZOO["control_flow"]()
     dbg = fxdebug.instrument(model, [SwapActivation(to=lambda: nn.ELU(0.5))], example_inputs=(x,))
-    mods = [type(dbg.get_submodule(str(n.target))) for n in dbg.graph.nodes if n.op == "call_module" and "swapped" in fxdebug.fx_meta(n)]
+    mods = [type(dbg.get_submodule(str(n.target))) for n in dbg.graph.nodes if n.op == "call_module" and "swap-activation" in fxdebug.authoring.node_meta(n).transforms]
     assert mods == [nn.ELU]
 
 

@@ -16,7 +16,8 @@ Groups:
 * selecting nodes — ``Where``, ``matches``, ``outputs_of``;
 * observing — ``Probe``, ``Reductions``, ``ObservationContext``, ``Observer``, ``FusedProbe``,
   ``FusedStats``, ``SAMPLE``, ``systematic_sample``; report columns ``Column`` with the roles
-  ``VALUE``, ``HIDDEN``, ``NONFINITE``, ``ORIGIN``, ``COLOR``;
+  ``VALUE``, ``HIDDEN``, ``NONFINITE``, ``ORIGIN``, ``COLOR``, ``GRADIENT``, ``GRADIENT_MEAN``,
+  finding rules ``FindingRule`` and the row filter ``activation_row`` (``Column(only=...)``);
 * node facts — ``node_meta`` / ``NodeMeta`` (typed ``node.meta["fxdebug"]``), the node roles
   ``INSTRUMENTATION``, ``CLOCK``, ``GUARD``, ``graph_record`` / ``GraphRecord``, ``fx_meta`` (raw
   dict), ``describe``, ``module_path``, ``module_type``, ``op_label``, ``source_line``,
@@ -34,7 +35,8 @@ this module existed; ``fxdebug.__all__`` lists only the user API.)
 
 from __future__ import annotations
 
-from fxdebug.runtime.columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
+from fxdebug.runtime.columns import COLOR, GRADIENT, GRADIENT_MEAN, HIDDEN, NONFINITE, ORIGIN, VALUE, Column, FindingRule
+from fxdebug.report.findings import activation_row
 from fxdebug.authoring.context import KNOWN_REQUIREMENTS, PassContext, TensorSpec
 from fxdebug.graph.meta import CLOCK, GUARD, INSTRUMENTATION, GraphRecord, NodeMeta, describe, fx_meta, graph_record, is_instrumentation, module_path, module_type, node_meta, op_label, source_line
 from fxdebug.graph.module_outputs import outputs_of
@@ -48,8 +50,11 @@ __all__ = [
     "CLOCK",
     "COLOR",
     "Column",
+    "FindingRule",
     "FusedProbe",
     "FusedStats",
+    "GRADIENT",
+    "GRADIENT_MEAN",
     "GUARD",
     "GraphRecord",
     "HIDDEN",
@@ -72,6 +77,7 @@ __all__ = [
     "TensorSpec",
     "VALUE",
     "Where",
+    "activation_row",
     "describe",
     "find_pattern",
     "fx_meta",

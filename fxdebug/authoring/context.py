@@ -30,7 +30,7 @@ from fxdebug.graph import edits
 from fxdebug.graph.edits import NAMESPACE
 from fxdebug.errors import MissingInputsError, UsageError
 from fxdebug.graph.inputs import bind_inputs, normalize_inputs, preserved_state
-from fxdebug.graph.meta import is_instrumentation
+from fxdebug.graph.meta import is_instrumentation, node_meta
 from fxdebug.runtime.attach import Observation
 from fxdebug.runtime.observer import Clock, Probe
 from fxdebug.graph.select import Where, matches
@@ -223,6 +223,15 @@ class PassContext:
     def copy_meta(self, old: Node, new: Node) -> None:
         """Carry fxdebug's metadata from ``old`` to ``new``, marking the change."""
         edits.copy_meta(old, new, self.current_pass)
+
+    def record(self, node: Node, info: dict[str, Any] | None = None, *, stands_for: str | None = None) -> None:
+        """Keep what the running pass did to ``node``: ``info`` under ``node_meta(node).transforms[<pass>]``,
+        and for a module fxdebug made, the model's module path it ``stands_for`` (``to_module`` names
+        it so; a fused conv stands for ``layer1.0.conv1``)."""
+        meta = node_meta(node)
+        meta.record(self.current_pass or "?", info or {})
+        if stands_for is not None:
+            meta.stands_for = stands_for
 
     # -- observation ----------------------------------------------------------------------------
     def observe(self, node: Node, probe: Probe) -> Node | None:

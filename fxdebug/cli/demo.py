@@ -119,8 +119,7 @@ def run_demo(out: str = "demo.svg", *, batches: int = 4, stream: TextIO | None =
         say(f"  - {line}")
     say()
     say("Suggested fixes:")
-    dead = [r for r in report.rows if isinstance(r.get("dead_frac"), (int, float)) and r["dead_frac"] >= 0.5]
-    if dead:
+    if any(f.kind == "dead_activations" for f in report.findings()):
         say("  - dead ReLUs: swap exactly those for LeakyReLU, using this report:")
         say("      from fxdebug.passes import SwapActivation")
         say("      fixed = fxdebug.instrument(dbg, passes=[SwapActivation(only_dead=0.5)], example_inputs=(x,))")

@@ -22,7 +22,15 @@ raw dict underneath, for keys a pass of one's own adds. Keys fxdebug itself uses
 ``keep_unused``    a node nothing reads on purpose (the manager does not flag it)
 ``failed``         a message: this node failed a check (drawn red)
 ``notes``          free-form sentences passes attach for the report and the picture
+``stands_for``     for a module fxdebug made (a fused conv, a frozen call): the model's module
+                   path it takes the place of; ``to_module`` names it so
+``transforms``     what each transform pass recorded about the node, by pass name
+                   (``{"fuse": {"layer": ..., "max_abs_diff": ...}}``): ``PassContext.record``
 =================  ==========================================================================
+
+A pass keeps its own facts about a node in ``transforms[<its name>]`` (through
+``PassContext.record``), never under a key of its own: the core and other passes read only the
+keys above.
 
 The graph-level record, ``gm.meta["fxdebug"]``, is a ``GraphRecord``.
 """
@@ -88,8 +96,10 @@ class _Key(Generic[T]):
             return self
         raw = obj.node.meta.get(KEY, {})
         if self.name in raw:
-            return raw[self.name]
-        return list(self.default) if isinstance(self.default, list) else self.default  # type: ignore[return-value]
+            return raw[self.name]  # type: ignore[no-any-return]
+        if isinstance(self.default, (list, dict)):
+            return type(self.default)(self.default)  # type: ignore[return-value]
+        return self.default
 
     def __set__(self, obj: "NodeMeta", value: T) -> None:
         obj.raw[self.name] = value
@@ -122,6 +132,8 @@ class NodeMeta:
     keep_unused: _Key[bool] = _Key(False)
     failed: _Key[str | None] = _Key(None)
     notes: _Key[list[str]] = _Key([])
+    stands_for: _Key[str | None] = _Key(None)
+    transforms: _Key[dict[str, dict[str, Any]]] = _Key({})
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -135,6 +147,10 @@ class NodeMeta:
         changed = self.raw.setdefault("changed_by", [])
         if pass_name not in changed:
             changed.append(pass_name)
+
+    def record(self, pass_name: str, info: dict[str, Any]) -> None:
+        """Keep what transform ``pass_name`` did to the node (``transforms[pass_name]``)."""
+        self.raw.setdefault("transforms", {})[pass_name] = dict(info)
 
     def add_probe(self, key: str) -> None:
         self.raw.setdefault("probes", []).append(key)

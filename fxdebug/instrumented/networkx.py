@@ -23,7 +23,7 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
     Node attributes: ``op`` (the FX op kind: ``call_module``, ``call_function``, ...), ``target``
     (as a string), ``label`` (``Conv2d``, ``torch.log``), ``module`` and ``module_type``,
     ``shape`` / ``dtype`` / ``device`` (when known), ``stats`` (the report row's numbers:
-    ``mean``, ``dead_frac``, ``nonfinite_calls``, ``grad_*``...), ``probes``, ``added_by``,
+    whatever the probes declared: ``mean``, ``grad_*``...), ``probes``, ``added_by``,
     ``changed_by``, ``auto_leaf``, ``failed``, ``role``, ``origin`` (the NaN/Inf origin).
     Edge attribute: ``shape`` of the value flowing along it. Graph attributes:
     ``model_type``, ``first_nonfinite``, ``first_nonfinite_grad``.

@@ -31,7 +31,7 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from fxdebug.capture.inplace_proxy import writes_in_place
-from fxdebug.graph.meta import fx_meta, is_instrumentation
+from fxdebug.graph.meta import is_instrumentation, node_meta
 
 __all__ = ["to_module"]
 
@@ -140,10 +140,8 @@ def _attr(root: nn.Module, target: str) -> Any:
 
 def _preferred(node: Node, target: str) -> str:
     """The model's own path for a module fxdebug made (a fused conv at ``layer1.0.conv1``)."""
-    meta = fx_meta(node)
-    candidates = [str(meta.get("pruned", {}).get("layer") or "")]
-    candidates.append(str((meta.get("fused") or {}).get("layer") or ""))
-    candidates.append(str(meta.get("module") or ""))
+    meta = node_meta(node)
+    candidates = [meta.stands_for or "", meta.module or ""]
     for name in candidates:
         if name and not name.startswith(f"{NAMESPACE}."):
             return name

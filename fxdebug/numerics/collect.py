@@ -213,15 +213,18 @@ def _model_kwargs(batch: dict[str, Any], names: list[str], var_kw: bool) -> dict
 
 # -- running counts -------------------------------------------------------------------------------
 def running_counts(report: Any) -> dict[str, int]:
-    """``{"nan": nodes that saw NaN/Inf (forward or backward), "dead": activations mostly dead}``."""
-    from fxdebug.report.findings import dead_rows
+    """``{"nan": nodes that saw NaN/Inf (forward or backward), "dead": rows a declared finding rule
+    flags (``StatCollector``: activations mostly dead)}``."""
+    from fxdebug.report.findings import declared_rows
 
     nonfinite_in = getattr(report, "nonfinite_in", None)
     if nonfinite_in is not None:
         nan = sum(1 for r in report.rows if nonfinite_in(r))
     else:
         nan = sum(1 for r in report.rows if r.get("nonfinite_calls") or r.get("grad_nonfinite_calls"))
-    return {"nan": nan, "dead": len(dead_rows(report))}
+    flagged = {r["node"] for c in getattr(report, "columns", None) or [] if c.finding is not None
+               for r in declared_rows(report, c)}
+    return {"nan": nan, "dead": len(flagged)}
 
 
 # -- progress bars --------------------------------------------------------------------------------

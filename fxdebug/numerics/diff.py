@@ -10,8 +10,10 @@ the same module ("module"); last, leftover rows align by the order of the same o
 graph ("op order"). Inserted and deleted ops stay unmatched. Every aligned pair is
 compared on the statistics both rows hold (``StatCollector``'s mean/std/min/max/norm, NaN/Inf
 counts, gradient statistics, ...): each difference is divided by the tensor's magnitude (the
-largest |min|, |max| of the two rows) — fractions (``zero_frac``, ``dead_frac``) are compared
-absolutely, and a count of non-finite values that differs at all is an infinite divergence.
+largest |min|, |max| of the two rows) — fractions (``zero_frac`` and every ``COLOR`` column, which
+is a number in [0, 1]) are compared absolutely, and a count of non-finite values (``nan``, ``inf``,
+every ``NONFINITE`` column) that differs at all is an infinite divergence. ``HIDDEN`` and ``ORIGIN``
+columns are bookkeeping, not statistics, and are not compared.
 ``first_divergent`` is the first node, in report A's execution order, whose divergence exceeds
 ``rtol``.
 """
@@ -24,13 +26,29 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from fxdebug.runtime.columns import BASE_COLUMNS, COLOR, HIDDEN, NONFINITE, ORIGIN
+
 __all__ = ["Diff", "diff"]
 
-_SKIP = {"node", "module", "op", "shape", "dtype", "device", "calls", "count", "channels", "sampled_frac",
-         "added_by", "changed_by", "auto_leaf", "local_err", "acc_err", "err_growth", "history",
-         "nonfinite_first_call", "grad_nonfinite_first_call", "grad_count", "grad_calls", "grad_channels"}
-_FRACTIONS = ("zero_frac", "dead_frac")
-_COUNTS = ("nonfinite_calls", "nan", "inf")
+_SKIP = {c.key for c in BASE_COLUMNS} | {"count", "grad_count", "grad_calls", "local_err", "acc_err", "err_growth"}
+_FRACTIONS = {"zero_frac", "grad_zero_frac"}
+_COUNTS = {"nan", "inf", "grad_nan", "grad_inf"}
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """How each row key is compared, from the reports' column declarations."""
+
+    skip: frozenset[str]
+    fractions: frozenset[str]
+    counts: frozenset[str]
+
+    @classmethod
+    def of(cls, *reports: Any) -> "_Kinds":
+        columns = [c for r in reports for c in (getattr(r, "columns", None) or [])]
+        return cls(skip=frozenset(_SKIP | {c.key for c in columns if c.has(HIDDEN) or c.has(ORIGIN)}),
+                   fractions=frozenset(_FRACTIONS | {c.key for c in columns if c.has(COLOR)}),
+                   counts=frozenset(_COUNTS | {c.key for c in columns if c.has(NONFINITE)}))
 
 
 @dataclass
@@ -160,35 +178,35 @@ def _align(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[tuple[int, 
     return pairs
 
 
-def _divergence(ra: dict[str, Any], rb: dict[str, Any]) -> tuple[float, str | None, Any, Any]:
+def _divergence(ra: dict[str, Any], rb: dict[str, Any], kinds: _Kinds) -> tuple[float, str | None, Any, Any]:
     if ra.get("shape") is not None and rb.get("shape") is not None and tuple(ra["shape"]) != tuple(rb["shape"]):
         return math.inf, "shape", ra["shape"], rb["shape"]
     mags = [abs(v) for r in (ra, rb) for k in ("min", "max", "grad_min", "grad_max")
             if isinstance(v := r.get(k), (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
     worst: tuple[float, str | None, Any, Any] = (0.0, None, None, None)
     for key in ra:
-        if key in _SKIP or key not in rb:
+        if key in kinds.skip or key not in rb:
             continue
         va, vb = ra[key], rb[key]
         if isinstance(va, bool) or isinstance(vb, bool) or not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
             continue
-        d = _one(key, float(va), float(vb), mags)
+        d = _one(key, float(va), float(vb), mags, kinds)
         if d > worst[0]:
             worst = (d, key, va, vb)
     return worst
 
 
-def _one(key: str, va: float, vb: float, mags: list[float]) -> float:
+def _one(key: str, va: float, vb: float, mags: list[float], kinds: _Kinds) -> float:
     if math.isnan(va) and math.isnan(vb):
         return 0.0
     if not (math.isfinite(va) and math.isfinite(vb)):
         return 0.0 if va == vb else math.inf
-    base = key[5:] if key.startswith("grad_") else key
-    if base in _COUNTS:
+    if key in kinds.counts:
         return 0.0 if va == vb else math.inf
     diff = abs(va - vb)
-    if base in _FRACTIONS:
+    if key in kinds.fractions:
         return diff
+    base = key[5:] if key.startswith("grad_") else key
     scale = max(mags) if mags and base != "norm" else max(abs(va), abs(vb))
     if scale == 0:
         return 0.0 if diff == 0 else math.inf
@@ -205,10 +223,11 @@ def diff(report_a: Any, report_b: Any, rtol: float = 1e-3) -> Diff:
         raise ValueError(f"diff(rtol={rtol!r}): rtol is a tolerance >= 0")
     a, b = _rows(report_a), _rows(report_b)
     pairs = _align(a, b)
+    kinds = _Kinds.of(report_a, report_b)
     rows: list[dict[str, Any]] = []
     for i, j, how in pairs:
         ra, rb = a[i], b[j]
-        d, col, va, vb = _divergence(ra, rb)
+        d, col, va, vb = _divergence(ra, rb, kinds)
         rows.append({"node_a": ra["node"], "node_b": rb["node"], "module": ra.get("module"), "op": ra.get("op"),
                      "match": how, "divergence": d, "column": col, "a": va, "b": vb, "diverged": d > rtol})
     matched_a = {i for i, _, _ in pairs}

@@ -134,11 +134,16 @@ def _per_call(now: dict[str, float], before: dict[str, float] | None) -> dict[st
     }
 
 
+def _history(rows: Sequence[dict[str, Any]]) -> "History | None":
+    return history_of(rows)
+
+
 class RecorderProbe(FusedProbe):
     """Gives the node a row in the fused table and reads its recorded calls for the report."""
 
     key = "recorder"
-    columns = (Column("history", roles=HIDDEN, doc="the last N calls' statistics of this output (Report.history)"),)
+    columns = (Column("history", roles=HIDDEN, doc="the last N calls' statistics of this output (Report.history)",
+                      answers="history", reading=_history),)
 
     def __init__(self, flight: Flight) -> None:
         self.flight = flight

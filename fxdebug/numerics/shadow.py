@@ -245,6 +245,10 @@ class ShadowOp(nn.Module):
         return f"node={self.node_name!r}, dtype={self.dtype}, kind={self.kind}"
 
 
+def _precision_origin(rows: Sequence[dict[str, Any]]) -> str | None:
+    return precision_origin(rows)
+
+
 class ShadowProbe(Probe):
     """Puts a ``ShadowOp``'s errors into the node's report row (the shadow op does the work)."""
 
@@ -255,7 +259,7 @@ class ShadowProbe(Probe):
         Column("acc_err", doc="relative error accumulated up to here: real output vs the all-shadow-dtype run "
                "(max over calls)"),
         Column("err_growth", doc="factor by which the accumulated error grew at this node; the largest is "
-               "Report.precision_origin"),
+               "Report.precision_origin", answers="precision_origin", reading=_precision_origin),
         Column("shadow_failed", roles=HIDDEN, doc="why the shadow could not run this op (real value passed on)"),
     )
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxdebug.errors import UsageError
-from fxdebug.report.findings import FindingRules, activation_row, grad_figures
+from fxdebug.report.findings import FindingRules, grad_figures
+from fxdebug.runtime.columns import COLOR
 
 __all__ = ["Plot", "activations", "gradient_flow"]
 
@@ -123,7 +124,7 @@ def gradient_flow(report: Any, path: str | os.PathLike[str], *, vanishing: float
     ax.set_xticklabels(labels, rotation=90, fontsize=7)
     ax.set_xlim(-0.6, n - 0.4)
     ax.set_ylabel("|gradient|")
-    what = "parameter gradients per module" if source == "parameter" else "gradients of node outputs"
+    what = f"{source} per node" if source != "gradients" else "gradients of node outputs"
     heading = title or f"gradient flow — {what}, input → output"
     ax.set_title(heading, fontsize=10)
     ax.grid(axis="y", which="major", alpha=0.3, zorder=0)
@@ -140,7 +141,8 @@ def _num(v: Any) -> float | None:
 
 def activations(report: Any, path: str | os.PathLike[str], *, title: str | None = None) -> Plot:
     """Each node's activation range (min..max line, mean ± std box, mean dot) in execution order,
-    with the dead fraction of activation nodes as red bars on a second axis (0..1)."""
+    with the first ``COLOR`` column the rows fill (``StatCollector``: the dead fraction, on
+    activations only) as red bars on a second axis (0..1)."""
     path = _check_path(path)
     rows = [r for r in report.rows if _num(r.get("min")) is not None and _num(r.get("max")) is not None]
     if not rows:
@@ -153,7 +155,9 @@ def activations(report: Any, path: str | os.PathLike[str], *, title: str | None 
     highs = [_num(r.get("max")) for r in rows]
     means = [_num(r.get("mean")) for r in rows]
     stds = [_num(r.get("std")) for r in rows]
-    dead = [(_num(r.get("dead_frac")) if activation_row(r) else None) for r in rows]
+    color = next((c for c in report.columns_with(COLOR) if any(_num(r.get(c.key)) is not None for r in rows)), None)
+    dead = [(_num(r.get(color.key)) if color.applies(r) else None) if color is not None else None for r in rows]
+    share = f"{color.label or color.key} fraction" if color is not None else "fraction"
     fig = Figure(figsize=(max(6.0, 0.32 * n + 1.5), 4.8))
     ax = fig.add_subplot(1, 1, 1)
     xs = list(range(n))
@@ -176,11 +180,11 @@ def activations(report: Any, path: str | os.PathLike[str], *, title: str | None 
     ax2 = ax.twinx()
     dead_x = [x for x, d in zip(xs, dead) if d is not None]
     ax2.bar(dead_x, [d for d in dead if d is not None], width=0.7, color="#de2d26", alpha=0.25,
-            label="dead fraction (activations)", zorder=1)
-    ax.set_zorder(ax2.get_zorder() + 1)  # the ranges in front of the dead-fraction bars
+            label=share, zorder=1)
+    ax.set_zorder(ax2.get_zorder() + 1)  # the ranges in front of the fraction bars
     ax.patch.set_visible(False)
     ax2.set_ylim(0, 1.0)
-    ax2.set_ylabel("dead fraction", color="#de2d26")
+    ax2.set_ylabel(share, color="#de2d26")
     heading = title or f"activations — {n} nodes in execution order"
     ax.set_title(heading, fontsize=10)
     handles = ax.get_legend_handles_labels()
@@ -188,5 +192,5 @@ def activations(report: Any, path: str | os.PathLike[str], *, title: str | None 
     ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], loc="upper right", fontsize=7, framealpha=0.9)
     _save(fig, path)
     return Plot(path=path, labels=labels, nodes=[r["node"] for r in rows],
-                series={"min": lows, "max": highs, "mean": means, "std": stds, "dead_frac": dead},
+                series={"min": lows, "max": highs, "mean": means, "std": stds, color.key if color else "color": dead},
                 title=heading, figure=fig)

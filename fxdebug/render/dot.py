@@ -1,11 +1,11 @@
 """How a ``GraphView`` looks in dot: labels, tooltips, colours, the legend, collapsing by depth.
 
 Every op node shows its name, op, output shape and dtype and, where a report has them, mean/std,
-min/max and the zero and dead fractions; the tooltip (hover in a browser) holds every number at
+min/max, the zero fraction and every ``COLOR`` column (a dead fraction); the tooltip (hover in a browser) holds every number at
 full precision. Fill colours mark findings (``COLORS``), a legend lists the ones present.
 Module hierarchy becomes nested clusters; with ``depth=k`` everything owned by a module at depth
 ``k`` or deeper is collapsed into one box per depth-``k`` module, showing its input/output
-shapes and an aggregate (worst dead fraction, NaN/Inf inside, failures, passes that touched it).
+shapes and an aggregate (worst ``COLOR`` value, NaN/Inf inside, failures, passes that touched it).
 
 Output is deterministic: nodes, clusters and edges are emitted in graph order, numbers with fixed
 formatting, and nothing depends on time, ids or hash order.
@@ -21,8 +21,9 @@ from fxdebug.runtime.columns import NONFINITE, Column
 from fxdebug.render.view import GraphView, VisNode
 from fxdebug.report.table import format_value
 
-__all__ = ["AUTO_BUDGET", "COLORS", "Group", "auto_depth", "drawn_cluster", "group_key", "group_nodes", "header", "node_label",
-           "node_tooltip", "short_op"]
+__all__ = ["AUTO_BUDGET", "COLORS", "Group", "auto_depth", "dot_lines", "drawn_cluster", "group_key", "group_label",
+           "group_nodes", "group_style", "group_tooltip", "header", "legend_html", "node_label", "node_style",
+           "node_tooltip", "shape_text", "short_op", "used_highlights"]
 
 AUTO_BUDGET = 250
 """The default depth keeps at most this many boxes on screen, collapsing deeper modules."""
@@ -31,7 +32,7 @@ COLORS = {
     "origin": "#e41a1c",  # fill: the node that turned finite inputs into NaN/Inf
     "nonfinite": "#fbb4ae",  # fill: saw NaN/Inf (forward or gradient)
     "failed": "#ff7f00",  # fill: failed a shape or device check
-    "dead": "#9e9e9e",  # fill: dead-channel hot spot (dead_frac >= DEAD_HOTSPOT)
+    "hot": "#9e9e9e",  # fill: a COLOR column at or above its threshold (dead units, a time share...)
     "added": "#377eb8",  # border: added by a transform pass
     "changed": "#984ea3",  # border: changed by a transform pass
     "auto_leaf": "#4daf4a",  # border, dashed: auto-leafed module (not traced inside)
@@ -46,7 +47,7 @@ _LEGEND = [
     ("origin", "NaN/Inf origin", "fill"),
     ("nonfinite", "saw NaN/Inf", "fill"),
     ("failed", "failed a shape/device check", "fill"),
-    ("dead", "dead-channel hot spot", "fill"),
+    ("hot", "hot spot (dead units, ...)", "fill"),
     ("added", "added by a pass", "border"),
     ("changed", "changed by a pass", "border"),
     ("auto_leaf", "auto-leaf (opaque module)", "border"),
@@ -90,9 +91,10 @@ class Group:
         return next((m for m in self.members if m.failed), None)
 
     @property
-    def worst_dead(self) -> VisNode | None:
-        dead = [m for m in self.members if m.dead_frac is not None]
-        return max(dead, key=lambda m: m.dead_frac) if dead else None  # type: ignore[arg-type, return-value]
+    def worst(self) -> VisNode | None:
+        """The member with the largest ``COLOR`` value (the dead ReLU inside a block)."""
+        colored = [(m.worst_color[2], i, m) for i, m in enumerate(self.members) if m.worst_color is not None]
+        return max(colored, key=lambda t: (t[0], -t[1]))[2] if colored else None
 
     @property
     def passes(self) -> list[str]:
@@ -168,11 +170,13 @@ def _esc(text: str) -> str:
     return str(text).replace("\\", "\\\\").replace('"', "'")
 
 
-def _lines(lines: Iterable[str]) -> str:
+def dot_lines(lines: Iterable[str]) -> str:
+    """Lines of a label or tooltip, escaped and joined as dot wants them."""
     return "\\n".join(_esc(s) for s in lines)
 
 
-def _shape(shape: Any) -> str:
+def shape_text(shape: Any) -> str:
+    """``(1, 3, 8, 8)``; ``?`` when unknown."""
     return format_value(tuple(shape)) if shape is not None else "?"
 
 
@@ -196,7 +200,7 @@ def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
         head = f"{v.name} : {short_op(v.label)}"
     lines = [head]
     if v.shape is not None:
-        lines.append(f"{_shape(v.shape)} {v.dtype or ''}".rstrip())
+        lines.append(f"{shape_text(v.shape)} {v.dtype or ''}".rstrip())
     if v.params:
         lines.append(_params_line(v.params))
     s = v.stats
@@ -205,8 +209,7 @@ def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
     if "min" in s or "max" in s:
         lines.append(f"min {format_value(s.get('min'))}  max {format_value(s.get('max'))}")
     fracs = [f"zero {_pct(s['zero_frac'])}"] if isinstance(s.get("zero_frac"), (int, float)) else []
-    if v.dead_frac is not None:
-        fracs.append(f"dead {_pct(v.dead_frac)}")
+    fracs += [f"{label} {_pct(value)}" for _, label, value in v.colors]
     if fracs:
         lines.append("  ".join(fracs))
     if v.origin:
@@ -217,9 +220,6 @@ def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
         if col.has(NONFINITE) and s.get(col.key):
             what = "NaN/Inf grad" if col.phase == "grad" else "NaN/Inf"
             lines.append(f"{what} in {s[col.key]} call(s)" if col.key.endswith("_calls") else f"{col.label or col.key}: {s[col.key]}")
-    for key in v.hot:
-        if key != "dead_frac":
-            lines.append(f"hot: {key} {format_value(s[key])}")
     if v.failed:
         lines.append("FAILED check")
     if v.changed_by:
@@ -241,7 +241,7 @@ def short_op(label: str) -> str:
 
 def _params_line(params: list[tuple[str, Any, Any]], limit: int = 2) -> str:
     """``weight (32, 32), bias (32)``: the parameters an op reads, by their last name."""
-    items = [f"{t.rpartition('.')[2]} {_shape(s) if s is not None else ''}".rstrip() for t, s, _ in params[:limit]]
+    items = [f"{t.rpartition('.')[2]} {shape_text(s) if s is not None else ''}".rstrip() for t, s, _ in params[:limit]]
     more = f" +{len(params) - limit}" if len(params) > limit else ""
     return ", ".join(items) + more
 
@@ -251,9 +251,9 @@ def node_tooltip(v: VisNode) -> list[str]:
     lines = [f"node: {v.name}", f"op: {v.label} ({v.kind})", f"module: {v.module or '<root>'}"
              + (f" ({v.module_type})" if v.module_type else "")]
     if v.shape is not None:
-        lines.append(f"shape: {_shape(v.shape)}  dtype: {v.dtype}  device: {v.device}")
+        lines.append(f"shape: {shape_text(v.shape)}  dtype: {v.dtype}  device: {v.device}")
     for target, shape, dtype in v.params:
-        lines.append(f"reads {target}: {_shape(shape) if shape is not None else '?'} {dtype or ''}".rstrip())
+        lines.append(f"reads {target}: {shape_text(shape) if shape is not None else '?'} {dtype or ''}".rstrip())
     for key in sorted(v.stats):
         lines.append(f"{key}: {_full(v.stats[key])}")
     if v.folded:
@@ -287,9 +287,10 @@ def group_label(g: Group, view: GraphView, in_shapes: list[str], out_shapes: lis
         lines.append(f"in {', '.join(in_shapes[:3])}" + (" ..." if len(in_shapes) > 3 else ""))
     if out_shapes:
         lines.append(f"out {', '.join(out_shapes[:3])}" + (" ..." if len(out_shapes) > 3 else ""))
-    worst = g.worst_dead
-    if worst is not None:
-        lines.append(f"worst dead {_pct(worst.dead_frac)} ({worst.name})")
+    worst = g.worst
+    if worst is not None and worst.worst_color is not None:
+        _, label, value = worst.worst_color
+        lines.append(f"worst {label} {_pct(value)} ({worst.name})")
     origin = g.origin
     if origin is not None:
         lines.append(f"NaN/Inf ORIGIN inside: {origin.name}")
@@ -304,15 +305,15 @@ def group_label(g: Group, view: GraphView, in_shapes: list[str], out_shapes: lis
 
 
 # -- style -----------------------------------------------------------------------------------------
-def _fill(origin: bool, failed: bool, nonfinite: bool, dead: bool, default: str) -> str:
+def _fill(origin: bool, failed: bool, nonfinite: bool, hot: bool, default: str) -> str:
     if origin:
         return COLORS["origin"]
     if failed:
         return COLORS["failed"]
     if nonfinite:
         return COLORS["nonfinite"]
-    if dead:
-        return COLORS["dead"]
+    if hot:
+        return COLORS["hot"]
     return default
 
 
@@ -323,7 +324,7 @@ def node_style(v: VisNode) -> dict[str, str]:
     attrs = {
         "shape": {"placeholder": "oval", "output": "oval", "get_attr": "cylinder"}.get(v.kind, "box"),
         "style": "rounded,filled" if v.kind not in ("placeholder", "output", "get_attr") else "filled",
-        "fillcolor": _fill(v.origin or v.grad_origin, bool(v.failed), v.nonfinite, v.dead, default),
+        "fillcolor": _fill(v.origin or v.grad_origin, bool(v.failed), v.nonfinite, v.hot_spot, default),
         "color": "#333333",
     }
     if v.origin or v.grad_origin or v.failed:
@@ -343,7 +344,7 @@ def node_style(v: VisNode) -> dict[str, str]:
 
 
 def group_style(g: Group) -> dict[str, str]:
-    worst = g.worst_dead
+    worst = g.worst
     if g.plumbing:
         return {"shape": "note", "style": "filled", "fillcolor": COLORS["plumbing"], "color": "#999999",
                 "fontcolor": "#555555"}
@@ -351,7 +352,7 @@ def group_style(g: Group) -> dict[str, str]:
         "shape": "box3d",
         "style": "filled",
         "fillcolor": _fill(g.origin is not None, g.failed is not None, g.nonfinite,
-                           worst is not None and worst.dead, COLORS["group"]),
+                           worst is not None and worst.hot_spot, COLORS["group"]),
         "color": "#333333",
     }
     if g.origin is not None or g.failed is not None:
@@ -365,12 +366,12 @@ def used_highlights(view: GraphView) -> list[str]:
     for v in view.nodes.values():
         present.update(k for k, on in (
             ("origin", v.origin or v.grad_origin), ("nonfinite", v.nonfinite), ("failed", bool(v.failed)),
-            ("dead", v.dead), ("added", bool(v.added_by) and not v.changed_by), ("changed", bool(v.changed_by)),
+            ("hot", v.hot_spot), ("added", bool(v.added_by) and not v.changed_by), ("changed", bool(v.changed_by)),
             ("auto_leaf", bool(v.auto_leaf)), ("instrumentation", v.role in ("instrumentation", "clock"))) if on)
     return [k for k, _, _ in _LEGEND if k in present]
 
 
-def _legend_html(keys: list[str]) -> str:
+def legend_html(keys: list[str]) -> str:
     rows = ['<TR><TD COLSPAN="2"><B>legend</B></TD></TR>']
     for key, text, how in _LEGEND:
         if key not in keys:
@@ -389,10 +390,31 @@ def header(view: GraphView, depth: int | None) -> list[str]:
         lines.append(f"NaN/Inf origin: {view.first_nonfinite}")
     if view.first_nonfinite_grad:
         lines.append(f"NaN/Inf gradient origin: {view.first_nonfinite_grad}")
-    dead = [v.name for v in view.nodes.values() if v.dead]
-    if dead:
-        lines.append(f"dead-channel hot spots: {', '.join(dead[:6])}" + (" ..." if len(dead) > 6 else ""))
+    hot = [v.name for v in view.nodes.values() if v.hot_spot]
+    if hot:
+        lines.append(f"hot spots: {', '.join(hot[:6])}" + (" ..." if len(hot) > 6 else ""))
     if view.failed_message:
         text = view.failed_message
         lines.append("FAILED: " + (text if len(text) <= 160 else text[:157] + "..."))
+    return lines
+
+
+def group_tooltip(g: Group) -> list[str]:
+    if g.plumbing:
+        lines = [f"mask/shape plumbing consumed in {g.cluster or '<root>'} ({len(g.members)} ops, folded)"]
+    else:
+        lines = [f"module: {g.path} ({len(g.members)} ops, collapsed)"]
+    worst = g.worst
+    if worst is not None and worst.worst_color is not None:
+        key, _, value = worst.worst_color
+        lines.append(f"worst {key}: {value!r} at {worst.name}")
+    if g.nonfinite:
+        lines.append("NaN/Inf seen in: " + ", ".join(m.name for m in g.members if m.nonfinite))
+    failed = g.failed
+    if failed is not None:
+        lines.append(f"FAILED: {failed.name}: {failed.failed}")
+    for m in g.members[:60]:
+        lines.append(f"{m.name} : {m.label} {shape_text(m.shape) if m.shape is not None else ''}".rstrip())
+    if len(g.members) > 60:
+        lines.append(f"... {len(g.members) - 60} more")
     return lines

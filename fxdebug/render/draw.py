@@ -1,9 +1,9 @@
 """``fxdebug.render``: the annotated graph as an SVG (graphviz), with its ``.dot`` source beside it.
 
-The picture reads only ``node.meta["fxdebug"]`` and the ``Report`` (see ``render_view``), so any
-pass — built-in or a user's — shows up in it. How it looks (labels, colours, the legend, collapse
-by module depth) lives in ``render_dot``; this module resolves what to draw, assembles the dot
-source with nested module clusters, and runs graphviz's ``dot``.
+The picture reads only ``node.meta["fxdebug"]`` and the ``Report`` (see ``render.view``), so any
+pass — built-in or a user's — shows up in it. How it looks (labels, tooltips, colours, the legend,
+collapse by module depth) lives in ``render.dot``; this module resolves what to draw, assembles the
+dot source with nested module clusters, and runs graphviz's ``dot``.
 """
 
 from __future__ import annotations
@@ -12,20 +12,24 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping
 
 from torch import nn
 from torch.fx import GraphModule
 
-from fxdebug.authoring.context import PassContext
 from fxdebug.errors import ArgumentTypeError, FxDebugError, UsageError
-from fxdebug.render.dot import AUTO_BUDGET, COLORS, Group, _legend_html, _lines, _shape, auto_depth, drawn_cluster, group_label, group_nodes, group_style, header, node_label, node_style, node_tooltip, used_highlights
+from fxdebug.graph.inputs import normalize_inputs
+from fxdebug.graph.shapes import learn_specs
+from fxdebug.render.dot import (AUTO_BUDGET, COLORS, auto_depth, dot_lines, drawn_cluster, group_label, group_nodes,
+                                group_style, group_tooltip, header, legend_html, node_label, node_style, node_tooltip,
+                                shape_text, used_highlights)
 from fxdebug.render.fold import fold_view
 from fxdebug.render.html import diff_scores, write_html
 from fxdebug.render.parts import parts_view
 from fxdebug.render.view import GraphView, build_view
 
-__all__ = ["COLORS", "FIT_PT", "build_dot", "fit_source", "render", "svg_size"]
+__all__ = ["COLORS", "FIT_PT", "RenderOptions", "build_dot", "fit_source", "render", "svg_size"]
 
 INSTALL_HINT = (
     "Install graphviz so that `dot` is on PATH: `apt-get install -y graphviz` (Debian/Ubuntu), "
@@ -38,27 +42,11 @@ _SIZE = re.compile(r'<svg width="([\d.]+)pt" height="([\d.]+)pt"')
 _FORMATS = ("svg", "png", "pdf", "html")
 
 
-def render(
-    model_or_gm: nn.Module,
-    path: str | os.PathLike[str],
-    example_inputs: Any = None,
-    *,
-    depth: int | None = None,
-    show_instrumentation: bool = False,
-    failed: Any = None,
-    report: Any = None,
-    fold: bool = True,
-    diff: Any = None,
-    parts: Mapping[str, GraphModule] | None = None,
-) -> str:
-    """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work;
-    ``.html`` writes the interactive viewer, one self-contained file that opens offline).
+@dataclass(frozen=True)
+class RenderOptions:
+    """How ``render`` draws; every field may also be given to ``render`` as a keyword.
 
-    Args:
-        model_or_gm: an ``Instrumented`` module (its report is drawn), any ``GraphModule``, or a
-            plain ``nn.Module`` (traced here).
-        path: where the picture goes; the dot source is written beside it as ``<stem>.dot``.
-        example_inputs: run once to learn shapes when the graph does not know them yet.
+    Attributes:
         depth: collapse every module at this depth (``"layer1"`` is depth 1, ``"layer1.0"``
             depth 2) into one box with its in/out shapes and an aggregate. ``None`` picks the
             deepest level whose picture fits a screen (``FIT_PT`` points on its long side, measured
@@ -69,21 +57,51 @@ def render(
         failed: an error carrying ``.node`` (e.g. a ``ShapeMismatchError`` or
             ``DeviceMismatchError`` from a run) or a node name: that node is highlighted as
             having failed a check, with the message in its tooltip. Passes can mark nodes
-            themselves with ``node.meta["fxdebug"]["failed"] = "<message>"``.
+            themselves with ``node_meta(n).failed = "<message>"``.
         report: a ``Report`` to draw instead of the module's own (e.g. one loaded or merged).
-        parts: the captured parts (``Instrumented.parts()``, which ``Instrumented.render`` passes);
-            several are drawn as one picture joined by the data between them.
-        fold: fold what a reader does not need as boxes (``render_fold``): parameters onto the ops
+        fold: fold what a reader does not need as boxes (``render.fold``): parameters onto the ops
             reading them, mask/shape plumbing into the cluster consuming it, and runs of identical
             repeated blocks into one block labelled ``layer.0–11 ×12``. ``False`` draws every node.
         diff: a ``fxdebug.diff(report_a, report_b)`` result (or ``{node: number}``) for the graph of
             report A. The viewer opens coloured by it (a heat map of divergence / (10 rtol)) with the
             first divergent node one click away; the SVG highlights that node and lists every node's
             divergence in its tooltip.
+        parts: the captured parts (``Instrumented.parts()``, which ``Instrumented.render`` passes);
+            several are drawn as one picture joined by the data between them.
+    """
+
+    depth: int | None = None
+    show_instrumentation: bool = False
+    failed: Any = None
+    report: Any = None
+    fold: bool = True
+    diff: Any = None
+    parts: Mapping[str, GraphModule] | None = None
+
+
+def render(model_or_gm: nn.Module, path: str | os.PathLike[str], example_inputs: Any = None,
+           options: RenderOptions | None = None, **changes: Any) -> str:
+    """Draw the annotated graph of ``model_or_gm`` to ``path`` (SVG; ``.png``/``.pdf`` also work;
+    ``.html`` writes the interactive viewer, one self-contained file that opens offline).
+
+    Args:
+        model_or_gm: an ``Instrumented`` module (its report is drawn), any ``GraphModule``, or a
+            plain ``nn.Module`` (traced here).
+        path: where the picture goes; the dot source is written beside it as ``<stem>.dot``.
+        example_inputs: run once to learn shapes when the graph does not know them yet.
+        options: a ``RenderOptions``; ``changes`` are its fields as keywords (``depth=2``),
+            applied on top.
 
     Returns the path of the picture. Raises ``FxDebugError`` (after writing the ``.dot``) when
     graphviz's ``dot`` is not installed, saying how to install it.
     """
+    known = {f.name for f in fields(RenderOptions)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise UsageError(f"render() has no option {', '.join(map(repr, unknown))}; the options are "
+                         f"{', '.join(sorted(known))} (fxdebug.render.RenderOptions).")
+    opts = replace(options or RenderOptions(), **changes)
+    depth = opts.depth
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise UsageError(f"depth must be a positive int (1 = top-level modules) or None for automatic; got {depth!r}.")
     out_path = os.fspath(path)
@@ -98,17 +116,17 @@ def render(
     stem, ext = os.path.splitext(out_path)
     fmt = ext.lstrip(".").lower() or "svg"
     if fmt in ("html", "htm"):
-        gm, report = _resolve(model_or_gm, example_inputs, report)
-        return write_html(_view(gm, report, show_instrumentation, failed, parts), out_path, diff=diff)
+        gm = _resolve(model_or_gm, example_inputs)
+        return write_html(_view(gm, opts), out_path, diff=opts.diff)
     if fmt not in _FORMATS:
         raise UsageError(f"render() writes {', '.join(_FORMATS)}; {out_path!r} ends in {ext!r}. Use e.g. 'model.svg'.")
     if not ext:
         out_path += ".svg"
-    gm, report = _resolve(model_or_gm, example_inputs, report)
-    view = _view(gm, report, show_instrumentation, failed, parts)
-    if diff is not None:
-        mark_diff(view, diff)
-    if fold:
+    gm = _resolve(model_or_gm, example_inputs)
+    view = _view(gm, opts)
+    if opts.diff is not None:
+        mark_diff(view, opts.diff)
+    if opts.fold:
         fold_view(view)
     dot_path = stem + ".dot"
     if depth is None:
@@ -184,16 +202,15 @@ def _dot_text(source: str, dot_path: str, out_path: str) -> str:
     return proc.stdout
 
 
-def _view(gm: GraphModule, report: Any, show_instrumentation: bool, failed: Any,
-          parts: Mapping[str, GraphModule] | None) -> GraphView:
+def _view(gm: GraphModule, opts: RenderOptions) -> GraphView:
     """The view of ``gm``: its graph, or every captured part joined by the data between them."""
-    if parts is not None and list(parts) != [""]:
-        return parts_view(gm, report, failed=failed, show_instrumentation=show_instrumentation)
-    return build_view(gm, report, show_instrumentation=show_instrumentation, failed=failed)
+    if opts.parts is not None and list(opts.parts) != [""]:
+        return parts_view(gm, opts.report, failed=opts.failed, show_instrumentation=opts.show_instrumentation)
+    return build_view(gm, opts.report, show_instrumentation=opts.show_instrumentation, failed=opts.failed)
 
 
-def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, Any]:
-    """The graph to draw and the report to annotate it with.
+def _resolve(obj: Any, example_inputs: Any) -> GraphModule:
+    """The graph to draw, its shapes learnt from ``example_inputs`` when given.
 
     A plain module is traced by ``fxdebug.render`` (``api.py``) before it gets here, and an
     ``Instrumented`` module passes its own report; this module only draws graphs.
@@ -202,8 +219,8 @@ def _resolve(obj: Any, example_inputs: Any, report: Any) -> tuple[GraphModule, A
         hint = " (it is a class: instantiate it first)" if isinstance(obj, type) else ""
         raise ArgumentTypeError(f"render() needs an nn.Module or a GraphModule; got {type(obj).__name__}{hint}.")
     if example_inputs is not None:
-        PassContext(example_inputs).specs(obj)  # writes shape/dtype/device into node meta
-    return obj, report
+        learn_specs(obj, normalize_inputs(example_inputs))  # writes shape/dtype/device into node meta
+    return obj
 
 
 def run_dot(dot_path: str, out_path: str, fmt: str = "svg") -> None:
@@ -236,7 +253,7 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
         "fxdebug",
         graph_attr={"rankdir": "TB", "fontname": "Helvetica", "fontsize": "11", "labelloc": "t",
                     "labeljust": "l", "nodesep": "0.25", "ranksep": "0.35",
-                    "label": _lines(header(view, depth)), "tooltip": view.model_type},
+                    "label": dot_lines(header(view, depth)), "tooltip": view.model_type},
         node_attr={"fontname": "Helvetica", "fontsize": "9", "margin": "0.08,0.04", "height": "0.3"},
         edge_attr={"arrowsize": "0.6", "color": "#555555", "fontname": "Helvetica", "fontsize": "8"},
     )
@@ -268,11 +285,11 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
                 label = node_label(obj, view.columns)
                 if heading is not None:
                     label = [heading, *label]
-                sub.node(obj.name, label=_lines(label), tooltip=_lines(node_tooltip(obj)),
+                sub.node(obj.name, label=dot_lines(label), tooltip=dot_lines(node_tooltip(obj)),
                          id=f"node/{obj.name}", **node_style(obj))
             else:
-                sub.node(obj.id, label=_lines(group_label(obj, view, in_shapes[obj.id], out_shapes[obj.id])),
-                         tooltip=_lines(_group_tooltip(obj)), id=obj.id, **group_style(obj))
+                sub.node(obj.id, label=dot_lines(group_label(obj, view, in_shapes[obj.id], out_shapes[obj.id])),
+                         tooltip=dot_lines(group_tooltip(obj)), id=obj.id, **group_style(obj))
         for child in children.get(path, []):
             typ = view.module_types.get(child)
             title = view.display(child) + (f" : {typ}" if typ else "")
@@ -280,16 +297,16 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
                 emit(sub, child, heading=f"[{child.rpartition('.')[2]}" + (f" : {typ}]" if typ else "]"))  # a cluster around one box says no more than a heading
                 continue
             with sub.subgraph(name=f"cluster_{next(counter)}") as c:
-                c.attr(label=_lines([title]), id=f"cluster/{child}",
-                       style="rounded,dashed", color="#9a9a9a", fontsize="9", tooltip=_lines([child]))
+                c.attr(label=dot_lines([title]), id=f"cluster/{child}",
+                       style="rounded,dashed", color="#9a9a9a", fontsize="9", tooltip=dot_lines([child]))
                 emit(c, child)
 
     emit(g, "")
     for (a, b), tip in edges.items():
-        g.edge(a, b, tooltip=_lines([tip]))
+        g.edge(a, b, tooltip=dot_lines([tip]))
     keys = used_highlights(view)
     if keys:
-        g.node("fxdebug/legend", label=_legend_html(keys), shape="plaintext", id="legend")
+        g.node("fxdebug/legend", label=legend_html(keys), shape="plaintext", id="legend")
     return g.source
 
 
@@ -305,7 +322,7 @@ def _edges(view: GraphView, item_of: dict[str, str]) -> tuple[dict[tuple[str, st
             src = item_of.get(src_name)
             if src is None or src == dst:
                 continue
-            shape = _shape(view.nodes[src_name].shape)
+            shape = shape_text(view.nodes[src_name].shape)
             if dst != v.name:
                 _add(in_shapes.setdefault(dst, []), shape)
             if src != src_name:
@@ -320,23 +337,3 @@ def _edges(view: GraphView, item_of: dict[str, str]) -> tuple[dict[tuple[str, st
 def _add(items: list[str], value: str) -> None:
     if value not in items:
         items.append(value)
-
-
-def _group_tooltip(g: Group) -> list[str]:
-    if g.plumbing:
-        lines = [f"mask/shape plumbing consumed in {g.cluster or '<root>'} ({len(g.members)} ops, folded)"]
-    else:
-        lines = [f"module: {g.path} ({len(g.members)} ops, collapsed)"]
-    worst = g.worst_dead
-    if worst is not None:
-        lines.append(f"worst dead_frac: {worst.dead_frac!r} at {worst.name}")
-    if g.nonfinite:
-        lines.append("NaN/Inf seen in: " + ", ".join(m.name for m in g.members if m.nonfinite))
-    failed = g.failed
-    if failed is not None:
-        lines.append(f"FAILED: {failed.name}: {failed.failed}")
-    for m in g.members[:60]:
-        lines.append(f"{m.name} : {m.label} {_shape(m.shape) if m.shape is not None else ''}".rstrip())
-    if len(g.members) > 60:
-        lines.append(f"... {len(g.members) - 60} more")
-    return lines

@@ -97,7 +97,7 @@ def _node(v: VisNode, index: dict[str, int], hidden: bool) -> dict[str, Any]:
         "params": [[t, _jsonable(s)] for t, s, _ in v.params],
         "inputs": [index[i] for i in v.inputs if i in index],
         "origin": v.origin, "grad_origin": v.grad_origin, "failed": v.failed, "nonfinite": v.nonfinite,
-        "dead": v.dead, "plumbing": v.plumbing, "probes": v.probes, "added_by": v.added_by,
+        "dead": v.hot_spot, "plumbing": v.plumbing, "probes": v.probes, "added_by": v.added_by,
         "changed_by": v.changed_by, "notes": v.notes, "source": v.source,
     }
 

@@ -21,14 +21,8 @@ from torch.fx import GraphModule, Node
 
 from fxdebug.runtime.columns import BASE_COLUMNS, COLOR, NONFINITE, Column, resolve_columns
 from fxdebug.graph.meta import fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
-from fxdebug.graph.classify import is_relu
 
-__all__ = ["DEAD_HOTSPOT", "GraphView", "VisNode", "build_view"]
-
-DEAD_HOTSPOT = 0.5
-"""A ReLU whose dead-channel fraction reaches this is a dead-ReLU hot spot (greyed). Other ops'
-dead fractions (a conv's negative channels, a pooled copy of a dead ReLU) follow from the ReLU's
-and are not highlighted, so the picture points at the unit to fix."""
+__all__ = ["GraphView", "VisNode", "build_view"]
 
 BASE_KEYS = tuple(c.key for c in BASE_COLUMNS if c.key != "calls")
 """Row keys that describe the node rather than measure it (the report's base columns; ``calls`` is
@@ -60,7 +54,7 @@ class VisNode:
     notes: list[str] = field(default_factory=list)
     origin: bool = False
     grad_origin: bool = False
-    activation: bool = False  # a ReLU in any form: where a dead-channel fraction means dead units
+    colors: list[tuple[str, str, float]] = field(default_factory=list)  # (key, label, value) of COLOR columns
     params: list[tuple[str, Any, Any]] = field(default_factory=list)  # parameters/buffers read: (target, shape, dtype)
     placed: str | None = None  # plumbing moved into the module cluster that consumes it
     folded: list["VisNode"] = field(default_factory=list)  # the same op in repeated blocks folded onto this one
@@ -79,14 +73,13 @@ class VisNode:
         return self.placed if self.placed is not None else self.module
 
     @property
-    def dead_frac(self) -> float | None:
-        """The dead-channel fraction of a ReLU's output (other ops' fractions stay in the tooltip)."""
-        v = self.stats.get("dead_frac")
-        return float(v) if self.activation and isinstance(v, (int, float)) and not math.isnan(v) else None
+    def worst_color(self) -> tuple[str, str, float] | None:
+        """The largest ``COLOR`` value of the node, as ``(key, label, value)``."""
+        return max(self.colors, key=lambda c: c[2]) if self.colors else None
 
     @property
-    def dead(self) -> bool:
-        """A hot spot: some ``COLOR`` column at or above its threshold (a dead fraction: on a ReLU only)."""
+    def hot_spot(self) -> bool:
+        """Some ``COLOR`` column at or above its threshold, on a row it applies to (``Column.only``)."""
         return bool(self.hot)
 
     @property
@@ -182,7 +175,7 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
     nodes = list(gm.graph.nodes)
     rows = {r["node"]: r for r in (report.rows if report is not None else [])}
     columns = list(getattr(report, "columns", None) or resolve_columns(()))
-    thresholds = hot_spot_thresholds(columns)
+    colored = [c for c in columns if c.has(COLOR)]
     bad_keys = [c.key for c in columns if c.has(NONFINITE)]
     alias = {} if show_instrumentation else _aliases(nodes)
     failed_node, failed_message = _failed_target(failed)
@@ -205,20 +198,19 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
         row = rows.get(n.name, {})
         shape = meta.get("shape", row.get("shape"))
         vis = VisNode(
-            name=n.name, kind=n.op, label=op_label(n), target=str(n.target), module=module_path(n),
-            module_type=module_type(n), shape=tuple(shape) if shape is not None else None,
+            name=n.name, kind=n.op, label=op_label(n), target=str(n.target), module=_module_of(n)[0],
+            module_type=_module_of(n)[1], shape=tuple(shape) if shape is not None else None,
             dtype=meta.get("dtype", row.get("dtype")), device=meta.get("device", row.get("device")),
             stats={k: v for k, v in row.items() if k not in BASE_KEYS},
             added_by=meta.get("added_by"), changed_by=list(meta.get("changed_by", [])),
             auto_leaf=meta.get("auto_leaf"), role=meta.get("role"), source=source_line(n),
             notes=[str(x) for x in meta.get("notes", [])],
-            activation=n.op in ("call_module", "call_function", "call_method") and is_relu(n),
         )
         if report is not None and hasattr(report, "nonfinite_in"):
             vis.bad = bool(row) and report.nonfinite_in(row)
         else:
             vis.bad = any(row.get(k) for k in bad_keys)
-        vis.hot = _hot(vis, thresholds)
+        vis.colors, vis.hot = _colors(row, colored)
         if isinstance(meta.get("replaced"), str):
             vis.notes.append(f"replaces {meta['replaced']}")
         vis.failed = meta.get("failed") or row.get("failed")
@@ -251,25 +243,32 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
     )
 
 
-def hot_spot_thresholds(columns: list[Column]) -> dict[str, float]:
-    """``{row key: threshold}`` of the ``COLOR`` columns that declare one.
+def _colors(row: dict[str, Any], columns: list[Column]) -> tuple[list[tuple[str, str, float]], list[str]]:
+    """The ``COLOR`` values of ``row`` on rows their column applies to, and the keys at or above
+    their threshold (a dead fraction only after an activation: the unit to fix, not its copies)."""
+    colors: list[tuple[str, str, float]] = []
+    hot: list[str] = []
+    for col in columns:
+        value = row.get(col.key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value) or not col.applies(row):
+            continue
+        colors.append((col.key, col.label or col.key, float(value)))
+        if col.threshold is not None and value >= col.threshold:
+            hot.append(col.key)
+    return colors, hot
 
-    ``dead_frac`` keeps ``DEAD_HOTSPOT`` when no probe declared it (a user's probe reporting it).
-    """
-    out = {c.key: float(c.threshold) for c in columns if c.has(COLOR) and c.threshold is not None}
-    out.setdefault("dead_frac", DEAD_HOTSPOT)
-    return out
+
+TORCH_EMPTY_STACK = "_empty_nn_module_stack_from_metadata_hook"
+"""What torch's export metadata hook writes as the module of a node it creates whose input has no
+module stack: not a module of the model, so the view drops it (the node sits at the root)."""
 
 
-def _hot(v: VisNode, thresholds: dict[str, float]) -> list[str]:
-    out = []
-    for key, limit in thresholds.items():
-        value = v.stats.get(key)
-        if key in ("dead_frac", "grad_dead_frac") and not v.activation:
-            continue  # other ops' dead fractions follow from the ReLU's (see DEAD_HOTSPOT)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value) and value >= limit:
-            out.append(key)
-    return out
+def _module_of(n: Node) -> tuple[str, str | None]:
+    """``(module path, module type)`` of ``n``, without torch's internal empty-stack marker."""
+    path = module_path(n)
+    if TORCH_EMPTY_STACK not in path:
+        return path, module_type(n)
+    return ".".join(p for p in path.split(".") if p != TORCH_EMPTY_STACK), None
 
 
 def _prefixes(path: str) -> list[str]:

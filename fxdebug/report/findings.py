@@ -7,8 +7,9 @@ threshold) and a suggested fix. Kinds, in the order they are listed:
 ``CheckFailed``             a batch failed a check (shape, device, raise-mode NaN) in ``collect``
 ``NonFiniteOrigin``         the first node that turned finite inputs into NaN/Inf (forward), or
                             where a non-finite gradient entered (backward)
-``DeadActivations``         an activation (ReLU, GELU, ...) whose share of never-positive
-                            channels is at least ``dead`` (default 0.5)
+*declared kinds*            a probe column declared with a ``FindingRule`` (``Column(finding=)``)
+                            whose value reaches its threshold — ``StatCollector``'s dead fraction
+                            gives ``dead_activations`` (threshold keyword ``dead=``)
 ``ExplodingGradients``      max |gradient| above ``exploding`` (default 1e3) over a run of nodes
 ``VanishingGradients``      max |gradient| below ``vanishing`` (default 1e-7) over a run of nodes,
                             e.g. "gradients vanish at and below layer1.1: max |g| 2e-9"
@@ -16,9 +17,11 @@ threshold) and a suggested fix. Kinds, in the order they are listed:
                             reaches its declared threshold
 ==========================  ==================================================================
 
-Gradient figures are parameter gradients (``ParamGrads``: what ``plot_grad_flow`` reads) where the
-report has them, else the gradients of node outputs (``StatCollector(grads=True)``). Thresholds
-are keyword arguments of ``Report.findings`` (``FindingRules`` holds the defaults).
+Gradient figures come from the first column declared with the ``GRADIENT`` role that the rows fill
+(``ParamGrads``: parameter gradients, what ``plot_grad_flow`` reads), else from the gradient-phase
+``min`` / ``max`` of node outputs (``StatCollector(grads=True)``). Thresholds are keyword
+arguments of ``Report.findings`` (``FindingRules`` holds the gradient defaults; a declared rule's
+``option`` names its own keyword).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
+from fxdebug.errors import UsageError
+from fxdebug.runtime.columns import COLOR, GRADIENT, GRADIENT_MEAN, ORIGIN, Column, FindingRule
+
 __all__ = [
     "CheckFailed",
-    "DeadActivations",
     "ExplodingGradients",
     "Finding",
     "FindingRules",
@@ -37,8 +42,9 @@ __all__ = [
     "NonFiniteOrigin",
     "VanishingGradients",
     "activation_row",
-    "dead_rows",
+    "declared_rows",
     "find",
+    "finding_class",
     "grad_figures",
 ]
 
@@ -69,14 +75,14 @@ class FindingRules:
             not change weights of order 1e-1..1: ``1e-7 ~ eps * 1``).
         exploding: a max |gradient| above this is exploding (an SGD step at lr 1e-3 would move a
             weight by more than 1).
-        dead: an activation with at least this share of channels never positive is dead.
         max_findings: at most this many findings of one kind (the worst first).
+        declared: thresholds of declared finding rules, by their ``option`` keyword (``dead``).
     """
 
     vanishing: float = 1e-7
     exploding: float = 1e3
-    dead: float = 0.5
     max_findings: int = 8
+    declared: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -127,12 +133,21 @@ class VanishingGradients(Finding):
     kind = "vanishing_gradients"
 
 
-class DeadActivations(Finding):
-    kind = "dead_activations"
-
-
 class HotSpot(Finding):
     kind = "hot_spot"
+
+
+_DECLARED: dict[tuple[str, str], type[Finding]] = {}
+
+
+def finding_class(rule: FindingRule) -> type[Finding]:
+    """The ``Finding`` subclass of a declared rule's kind (one class per kind and severity)."""
+    key = (rule.kind, rule.severity)
+    if key not in _DECLARED:
+        name = "".join(w.capitalize() for w in rule.kind.split("_")) or "Declared"
+        _DECLARED[key] = type(name, (Finding,), {"kind": rule.kind, "severity": rule.severity,
+                                                 "__module__": __name__})
+    return _DECLARED[key]
 
 
 def _num(v: Any) -> float | None:
@@ -156,25 +171,32 @@ def _where(row: dict[str, Any]) -> str:
 
 
 # -- gradient figures -------------------------------------------------------------------------------
-PARAM_MAX = "param_grad_max_abs"
-PARAM_MEAN = "param_grad_mean_abs"
-PARAM_NORM = "param_grad_norm"
+def _columns(report: Any, role: str) -> list[Column]:
+    columns_with = getattr(report, "columns_with", None)
+    return list(columns_with(role)) if columns_with is not None else []
 
 
 def grad_figures(report: Any) -> tuple[str, list[tuple[dict[str, Any], float, float | None]]]:
-    """``(source, [(row, max |g|, mean |g|), ...])`` in graph order; source is ``"parameter"`` when
-    parameter-gradient statistics (``ParamGrads``) are present, else ``"activation"``."""
+    """``(what, [(row, max |g|, mean |g|), ...])`` in graph order.
+
+    From the first ``GRADIENT`` column some row fills (``what`` is its label, e.g. ``"parameter
+    gradients"``), with the ``GRADIENT_MEAN`` column of the same probe phase beside it; else from
+    the gradient-phase ``min`` / ``max`` of node outputs (``what``: ``"gradients"``)."""
     rows = report.rows
-    if any(_num(r.get(PARAM_MAX)) is not None for r in rows):
-        return "parameter", [(r, float(r[PARAM_MAX]), _num(r.get(PARAM_MEAN))) for r in rows
-                             if _num(r.get(PARAM_MAX)) is not None]
+    means = _columns(report, GRADIENT_MEAN)
+    for col in _columns(report, GRADIENT):
+        filled = [r for r in rows if _num(r.get(col.key)) is not None and col.applies(r)]
+        if filled:
+            mean = next((m for m in means if m.phase == col.phase), None)
+            return col.label or col.key, [(r, float(r[col.key]), _num(r.get(mean.key)) if mean else None)
+                                          for r in filled]
     out = []
     for r in rows:
         lo, hi = _num(r.get("grad_min")), _num(r.get("grad_max"))
         if lo is None or hi is None:
             continue
         out.append((r, max(abs(lo), abs(hi)), _num(r.get("grad_mean_abs"))))
-    return "activation", out
+    return "gradients", out
 
 
 def _runs(items: list[tuple[dict[str, Any], float, float | None]], bad: Any) -> Iterator[list[tuple[dict[str, Any], float, float | None]]]:
@@ -190,9 +212,8 @@ def _runs(items: list[tuple[dict[str, Any], float, float | None]], bad: Any) -> 
 
 
 def _gradient_findings(report: Any, rules: FindingRules) -> list[Finding]:
-    source, items = grad_figures(report)
+    what, items = grad_figures(report)
     items = [it for it in items if math.isfinite(it[1])]  # non-finite gradients are the origin's business
-    what = "parameter gradients" if source == "parameter" else "gradients"
     out: list[Finding] = []
     for run in _runs(items, lambda g: g > rules.exploding):
         worst = max(run, key=lambda it: it[1])
@@ -267,7 +288,9 @@ def _nonfinite_findings(report: Any, gm: Any = None) -> list[Finding]:
             row = report.row(name)
         except KeyError:
             row = {"node": name, "module": "", "op": "?"}
-        first = _num(row.get("nonfinite_first_call" if phase == "forward" else "grad_nonfinite_first_call"))
+        origins = [c.key for c in _columns(report, ORIGIN) if c.phase == ("forward" if phase == "forward" else "grad")]
+        firsts = [v for v in (_num(row.get(k)) for k in origins) if v is not None]
+        first = min(firsts) if firsts else None
         via = list(getattr(report, "nonfinite_grad_from", []) or []) if phase == "backward" else []
         text = (f"NaN/Inf origin (forward): {_where(row)} turned finite inputs into NaN/Inf"
                 if phase == "forward" else
@@ -290,34 +313,54 @@ def _has(report: Any, node: str) -> bool:
     return True
 
 
-def dead_rows(report: Any, threshold: float = FindingRules.dead) -> list[dict[str, Any]]:
-    """Activation rows whose dead fraction is at least ``threshold``."""
-    return [r for r in report.rows if activation_row(r) and (_num(r.get("dead_frac")) or 0.0) >= threshold]
+class _Fields(dict[str, Any]):
+    def __missing__(self, key: str) -> str:
+        return ""
 
 
-def _dead_findings(report: Any, rules: FindingRules) -> list[Finding]:
-    rows = sorted(dead_rows(report, rules.dead), key=lambda r: -float(r["dead_frac"]))
-    return [DeadActivations(
-        node=r["node"], module=_mod(r), figure=float(r["dead_frac"]), nodes=(r["node"],),
-        message=f"dead channels: {_where(r)}: {100 * float(r['dead_frac']):.0f}% of its "
-                f"{r.get('channels', '')}{' ' if r.get('channels') else ''}channels never positive over "
-                f"{r.get('calls', '?')} call(s) (threshold {100 * rules.dead:.0f}%).",
-        fix=f"swap it for LeakyReLU (SwapActivation(only_dead={rules.dead}, where='{r['node']}')), lower the learning "
-            "rate, or check the bias/initialisation of the layer before it.") for r in rows]
+def _threshold(col: Column, rules: FindingRules) -> float | None:
+    rule = col.finding
+    if rule is not None and rule.option is not None and rule.option in rules.declared:
+        return rules.declared[rule.option]
+    return None if col.threshold is None else float(col.threshold)
+
+
+def declared_rows(report: Any, col: Column, threshold: float | None = None) -> list[dict[str, Any]]:
+    """Rows ``col`` applies to whose value reaches ``threshold`` (default: the column's), worst first."""
+    limit = col.threshold if threshold is None else threshold
+    if limit is None:
+        return []
+    hit = [r for r in report.rows if col.applies(r) and (_num(r.get(col.key)) or 0.0) >= limit
+           and _num(r.get(col.key)) is not None]
+    return sorted(hit, key=lambda r: -float(r[col.key]))
+
+
+def _declared_findings(report: Any, rules: FindingRules) -> list[Finding]:
+    out: list[Finding] = []
+    columns = getattr(report, "columns", None) or []
+    for col in columns:
+        rule = col.finding
+        limit = _threshold(col, rules)
+        if rule is None or limit is None:
+            continue
+        cls = finding_class(rule)
+        for r in declared_rows(report, col, limit):
+            value = float(r[col.key])
+            fields = _Fields(r)
+            fields.update(where=_where(r), node=r["node"], value=_fmt(value), pct=f"{100 * value:.0f}%",
+                          threshold=_fmt(limit), threshold_pct=f"{100 * limit:.0f}%", option=rule.option or "")
+            out.append(cls(node=r["node"], module=_mod(r), figure=value, nodes=(r["node"],),
+                           message=rule.message.format_map(fields), fix=rule.fix.format_map(fields)))
+    return out
 
 
 def _hot_spots(report: Any) -> list[Finding]:
-    from fxdebug.runtime.columns import COLOR
-
-    columns_with = getattr(report, "columns_with", None)
-    if columns_with is None:
-        return []
     out: list[Finding] = []
-    for col in columns_with(COLOR):
-        if col.key == "dead_frac" or col.threshold is None:
-            continue  # dead fractions are judged with the activation rule above
+    for col in _columns(report, COLOR):
+        if col.finding is not None or col.threshold is None:
+            continue  # a declared rule judges it (above)
         for r in report.rows:
-            v = _num(r.get(col.key))
+            v = _num(r.get(col.key)) if col.applies(r) else None
             if v is not None and v >= col.threshold:
                 label = col.label or col.key
                 out.append(HotSpot(node=r["node"], module=_mod(r), figure=v, nodes=(r["node"],),
@@ -344,27 +387,31 @@ def _failure(report: Any) -> list[Finding]:
                         message=f"{kind}: {message}", fix=fix)]
 
 
-def find(report: Any, *, vanishing: float | None = None, exploding: float | None = None, dead: float | None = None,
-         max_findings: int | None = None, gm: Any = None) -> list[Finding]:
-    """The findings of ``report`` (see the module docstring); thresholds default to ``FindingRules``.
+def find(report: Any, *, vanishing: float | None = None, exploding: float | None = None,
+         max_findings: int | None = None, gm: Any = None, **thresholds: float) -> list[Finding]:
+    """The findings of ``report`` (see the module docstring); thresholds default to ``FindingRules``
+    and to the declared columns' own thresholds; ``thresholds`` are declared rules' ``option``
+    keywords (``dead=0.9`` for ``StatCollector``'s dead fraction).
 
     ``gm``: the instrumented module, when at hand: the NaN/Inf origin then also names its inputs'
     minimum (``log`` of an input whose min is -0.3)."""
     base = FindingRules()
-    declared = report.column("dead_frac") if hasattr(report, "column") else None
-    if dead is None and declared is not None and declared.threshold is not None:
-        dead = float(declared.threshold)  # the collector's own hot-spot threshold (StatCollector: 0.5)
+    options = sorted({c.finding.option for c in (getattr(report, "columns", None) or [])
+                      if c.finding is not None and c.finding.option})
+    unknown = sorted(set(thresholds) - set(options))
+    if unknown:
+        raise UsageError(f"findings({', '.join(f'{k}=' for k in unknown)}...): no such threshold; the thresholds are "
+                         f"{', '.join(['vanishing', 'exploding', 'max_findings', *options])} (declared rules add "
+                         "theirs: Column(finding=FindingRule(option=...))).")
     rules = FindingRules(
         vanishing=base.vanishing if vanishing is None else vanishing,
         exploding=base.exploding if exploding is None else exploding,
-        dead=base.dead if dead is None else dead,
         max_findings=base.max_findings if max_findings is None else max_findings,
+        declared={k: float(v) for k, v in thresholds.items()},
     )
     if not 0 < rules.vanishing < rules.exploding:
-        from fxdebug.errors import UsageError
-
         raise UsageError(f"findings(vanishing={rules.vanishing}, exploding={rules.exploding}): need 0 < vanishing < exploding.")
-    groups = [_failure(report), _nonfinite_findings(report, gm), _dead_findings(report, rules),
+    groups = [_failure(report), _nonfinite_findings(report, gm), _declared_findings(report, rules),
               _gradient_findings(report, rules), _hot_spots(report)]  # causes (dead units) before symptoms
     out: list[Finding] = []
     for group in groups:

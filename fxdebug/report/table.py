@@ -12,7 +12,6 @@ from fxdebug.runtime.columns import Column, resolve_columns
 __all__ = ["format_report", "format_value"]
 
 
-
 def format_value(v: Any, column: Column | None = None) -> str:
     """``v`` as the table writes it: by ``column.format`` when declared, else a compact number."""
     if column is not None:
@@ -84,13 +83,9 @@ def _fit(report: Any, cols: list[Column], width: int | None, explicit: bool) -> 
 
 
 def _cell(row: dict[str, Any], col: Column) -> Any:
-    """The value a table cell shows: a dead fraction only where it means dead units (activations)."""
-    if col.key == "dead_frac":
-        from fxdebug.report.findings import activation_row
-
-        if not activation_row(row):
-            return None
-    return row.get(col.key)
+    """The value a table cell shows: only on rows the column applies to (``Column.only``: a dead
+    fraction only where it means dead units)."""
+    return row.get(col.key) if col.applies(row) else None
 
 
 def format_report(report: Any, max_rows: int = 400, *, use_rich: bool | None = None,

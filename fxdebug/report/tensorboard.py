@@ -4,11 +4,11 @@ Tags are grouped by module path, so TensorBoard's cards fold by top-level module
 numbers sit together: ``layer1/0/conv1/layer1_0_conv1/mean``. Nodes of the root module go under
 ``root/``. Per node, where the report has them:
 
-* ``mean``, ``std``, ``max_abs`` (max(|min|, |max|)) of the output;
-* ``dead_frac`` — only on activation rows, where it means dead units;
-* ``grad_norm``, ``grad_max_abs`` — of the gradient into the output (``StatCollector(grads=True)``);
-* ``param_grad_norm``, ``param_grad_mean_abs``, ``param_grad_max_abs`` — ``ParamGrads``;
-* ``time_ms`` — ``Profile(time=True)``;
+* every number of a declared, shown column (``Column``; not ``HIDDEN``), on the rows the column
+  applies to (``Column.only``: a dead fraction only after activations) — ``mean``, ``std``,
+  ``grad_norm`` (``StatCollector``), the parameter-gradient norms (``ParamGrads``), ``time_ms``
+  (``Profile``), a user's probe's columns alike;
+* ``max_abs`` (max(|min|, |max|)) and ``grad_max_abs`` where the row has ``min`` / ``max``;
 * histograms ``hist`` and ``grad_hist`` (``Histograms`` or ``StatCollector(histograms=True)``)
   through ``add_histogram_raw``, bins exactly as collected.
 
@@ -22,13 +22,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fxdebug.report.findings import activation_row
+from fxdebug.runtime.columns import BASE_COLUMNS, Column
 
-__all__ = ["SCALARS", "tag_of", "to_tensorboard"]
+__all__ = ["tag_of", "to_tensorboard"]
 
-SCALARS = ("mean", "std", "max_abs", "dead_frac", "grad_norm", "grad_max_abs", "param_grad_norm",
-           "param_grad_mean_abs", "param_grad_max_abs", "time_ms")
-"""The scalar names written per node (those the row has)."""
+_BASE = {c.key for c in BASE_COLUMNS}
 
 
 def tag_of(row: dict[str, Any], name: str, prefix: str | None = None) -> str:
@@ -45,19 +43,18 @@ def _finite(v: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _scalars(row: dict[str, Any]) -> dict[str, float]:
+def _scalars(row: dict[str, Any], columns: list[Column]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for name in ("mean", "std", "grad_norm", "param_grad_norm", "param_grad_mean_abs", "param_grad_max_abs", "time_ms"):
-        v = _finite(row.get(name))
+    for col in columns:
+        if col.key in _BASE or not col.shown or not col.applies(row):
+            continue
+        v = _finite(row.get(col.key))
         if v is not None:
-            out[name] = v
+            out[col.key] = v
     for name, lo, hi in (("max_abs", "min", "max"), ("grad_max_abs", "grad_min", "grad_max")):
         a, b = _finite(row.get(lo)), _finite(row.get(hi))
         if a is not None and b is not None:
             out[name] = max(abs(a), abs(b))
-    dead = _finite(row.get("dead_frac"))
-    if dead is not None and activation_row(row):
-        out["dead_frac"] = dead
     return out
 
 
@@ -74,8 +71,9 @@ def to_tensorboard(report: Any, writer: Any, step: int = 0, *, prefix: str | Non
 
         raise UsageError(f"to_tensorboard needs a SummaryWriter (torch.utils.tensorboard); got {type(writer).__name__}.")
     written = 0
+    columns = list(getattr(report, "columns", None) or [])
     for row in report.rows:
-        for name, value in _scalars(row).items():
+        for name, value in _scalars(row, columns).items():
             writer.add_scalar(tag_of(row, name, prefix), value, step)
             written += 1
         if not histograms:

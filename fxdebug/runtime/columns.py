@@ -14,6 +14,13 @@ knows the built-in passes' keys by name, so a user's probe gets the same treatme
 
 Columns of the gradient phase are declared once with ``phase="grad"`` (or ``"both"``): their row
 key is the name with ``grad_`` in front, the prefix the observer gives gradient summaries.
+
+Beyond roles, a column may declare what the outputs should do with it, so none of them needs to
+know which pass made it: ``only=`` (the rows where the number means something: a dead fraction
+only after activations), ``merge=`` (how ``report(all_ranks=True)`` merges the ranks' values),
+``finding=`` (a ``FindingRule``: ``Report.findings()`` turns values at the threshold into typed
+findings) and ``answers=`` (a ``Report`` attribute, such as ``history``, computed from the rows by
+``reading=``).
 """
 
 from __future__ import annotations
@@ -25,7 +32,11 @@ __all__ = [
     "BASE_COLUMNS",
     "COLOR",
     "Column",
+    "FindingRule",
+    "GRADIENT",
+    "GRADIENT_MEAN",
     "HIDDEN",
+    "MERGES",
     "NONFINITE",
     "ORIGIN",
     "ROLES",
@@ -48,7 +59,40 @@ NONFINITE = "nonfinite"
 COLOR = "color"
 """A number in [0, 1] the picture colours the node by; at or above ``threshold`` it is a hot spot
 (CLI findings name it)."""
-ROLES = (VALUE, HIDDEN, ORIGIN, NONFINITE, COLOR)
+GRADIENT = "gradient"
+"""The largest |gradient| seen at the node. The vanishing/exploding findings and
+``plot.gradient_flow`` read the first ``GRADIENT`` column some row fills (its ``label`` names the
+figure in messages: ``"parameter gradients"``)."""
+GRADIENT_MEAN = "gradient_mean"
+"""The mean |gradient| beside a ``GRADIENT`` column (drawn by ``plot.gradient_flow``)."""
+ROLES = (VALUE, HIDDEN, ORIGIN, NONFINITE, COLOR, GRADIENT, GRADIENT_MEAN)
+MERGES = ("sum", "min", "max", "same")
+"""Named merge rules: ``sum`` (counts), ``min`` / ``max`` (extremes, call indices), ``same`` (a
+fact every rank agrees on; left out with a note when they differ). A callable ``merge`` gets the
+ranks' rows of one node (each a dict, with ``chan_max`` where the runtime kept per-channel maxima)
+and returns the merged value, or ``None`` for "cannot tell"."""
+
+
+@dataclass(frozen=True)
+class FindingRule:
+    """How ``Report.findings()`` reads a column: a value at or above the column's ``threshold``
+    (on a row the column ``only`` applies to) is a finding of ``kind``.
+
+    Args:
+        kind: the finding's kind (``"dead_activations"``); its class is made once per kind.
+        message: a sentence, formatted with ``where`` (node, module, op), ``node``, ``value``,
+            ``pct`` (the value as a percentage), ``threshold``, ``threshold_pct``, ``option`` and
+            every key of the row (absent keys read as empty).
+        fix: what to try (formatted the same way).
+        option: the keyword of ``Report.findings`` that overrides the threshold (``dead=0.9``).
+        severity: ``"warning"`` or ``"error"``.
+    """
+
+    kind: str
+    message: str
+    fix: str
+    option: str | None = None
+    severity: str = "warning"
 _PHASES = ("forward", "grad", "both")
 
 
@@ -64,7 +108,15 @@ class Column:
         phase: ``"forward"``, ``"grad"`` (row key ``grad_<name>``) or ``"both"``.
         doc: one line saying what the number is (shown by viewers as a tooltip).
         threshold: for ``COLOR``: the value at or above which the node is a hot spot.
-        label: a short human name for viewers (defaults to the row key).
+        label: a short human name for viewers and messages (defaults to the row key).
+        only: the rows where the value means something (``row -> bool``); tables, pictures,
+            TensorBoard and findings leave it out elsewhere (the rows keep it).
+        merge: how ranks merge it: one of ``MERGES`` or a callable (see ``MERGES``); ``None``:
+            by role (``NONFINITE`` sums, ``ORIGIN`` takes the earliest), else ``"same"``.
+        finding: a ``FindingRule`` turning values at ``threshold`` into findings (instead of
+            the generic hot-spot finding of ``COLOR`` columns).
+        answers: the ``Report`` attribute this column answers (``"history"``,
+            ``"precision_origin"``), computed by ``reading(rows)``.
     """
 
     name: str
@@ -74,6 +126,11 @@ class Column:
     doc: str = ""
     threshold: float | None = None
     label: str | None = None
+    only: Callable[[dict[str, Any]], bool] | None = field(default=None, compare=False)
+    merge: str | Callable[[list[dict[str, Any]]], Any] | None = field(default=None, compare=False)
+    finding: FindingRule | None = None
+    answers: str | None = None
+    reading: Callable[[Sequence[dict[str, Any]]], Any] | None = field(default=None, compare=False)
     _key: str | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +142,12 @@ class Column:
             raise ValueError(f"Column({self.name!r}, phase={self.phase!r}): phase is one of {', '.join(_PHASES)}.")
         if not self.name or not isinstance(self.name, str):
             raise ValueError(f"Column(name={self.name!r}): a column needs a non-empty string name.")
+        if isinstance(self.merge, str) and self.merge not in MERGES:
+            raise ValueError(f"Column({self.name!r}, merge={self.merge!r}): a merge rule is one of "
+                             f"{', '.join(MERGES)} or a callable.")
+        if (self.answers is None) != (self.reading is None):
+            raise ValueError(f"Column({self.name!r}): answers= and reading= go together (the Report attribute and "
+                             "the function computing it from the rows).")
         object.__setattr__(self, "roles", roles)
 
     @property
@@ -94,6 +157,21 @@ class Column:
 
     def has(self, role: str) -> bool:
         return role in self.roles
+
+    def applies(self, row: dict[str, Any]) -> bool:
+        """Whether ``row``'s value of this column means something (see ``only``)."""
+        return self.only is None or bool(self.only(row))
+
+    @property
+    def merge_rule(self) -> str | Callable[[list[dict[str, Any]]], Any]:
+        """The declared merge rule, or the one its roles imply."""
+        if self.merge is not None:
+            return self.merge
+        if self.has(NONFINITE):
+            return "sum"
+        if self.has(ORIGIN):
+            return "min"
+        return "same"
 
     @property
     def shown(self) -> bool:
@@ -120,7 +198,9 @@ class Column:
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "name": self.name, "roles": sorted(self.roles), "phase": self.phase,
                 "doc": self.doc, "threshold": self.threshold, "label": self.label or self.key,
-                "format": self.format if isinstance(self.format, str) else None}
+                "format": self.format if isinstance(self.format, str) else None,
+                "merge": self.merge_rule if isinstance(self.merge_rule, str) else "custom",
+                "finding": self.finding.kind if self.finding is not None else None, "answers": self.answers}
 
 
 BASE_COLUMNS: tuple[Column, ...] = (
