@@ -12,15 +12,15 @@ parameters (the instrumented module shares them) and fxdebug adds no parameter a
 ``report(all_ranks=True)`` gathers every rank's rows (``all_gather_object`` on the default group,
 or ``group=``) and merges them as if one process had seen all the data:
 
-* ``count``, ``calls``, NaN/Inf counts, ``nonfinite_calls``: summed;
-* ``mean``: count-weighted; ``std``: from each rank's count, mean and variance (the parallel
-  variance formula — the population std of the concatenated data); ``mean_abs``, ``zero_frac``:
-  count-weighted; ``norm`` (mean per-call L2 norm): call-weighted;
-* ``min`` / ``max``: global; ``nonfinite_first_call``: the earliest;
-* ``dead_frac``: a channel is dead when it was never positive on any rank — computed from each
-  rank's per-channel maxima (gathered from the fused statistics, or a row's ``chan_max``); where
-  they are missing the merged row says ``dead_frac`` is unknown (``None``) rather than guess from
-  per-rank fractions;
+* the fused runtime's statistics: ``count``, ``calls``, NaN/Inf counts summed; ``mean``
+  count-weighted; ``std`` from each rank's count, mean and variance (the parallel variance formula
+  — the population std of the concatenated data); ``mean_abs``, ``zero_frac`` count-weighted;
+  ``norm`` (mean per-call L2 norm) call-weighted; ``min`` / ``max`` global;
+* every other column by its declaration (``Column.merge``): ``sum``, ``min``, ``max``, ``same``,
+  or a function of the ranks' rows — ``NONFINITE`` columns sum and ``ORIGIN`` columns take the
+  earliest call unless they say otherwise; ``StatCollector``'s dead fraction is computed from each
+  rank's per-channel maxima (gathered from the fused statistics as ``chan_max``). A rule that
+  cannot tell gives ``None`` and a note, rather than a guess from per-rank values;
 * the first non-finite origin is ``(call, rank, node)``: the lowest call first, then the lowest
   rank, then execution order (reverse order for gradients, as in the single-process report).
 
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxdebug.errors import DistributedError, UsageError
+from fxdebug.runtime.columns import BASE_COLUMNS, ORIGIN, Column
 from fxdebug.runtime.observer import FusedStats
 from fxdebug.report.report import Report
 
@@ -98,11 +99,12 @@ class DistributedReport(Report):
                 f"origin={str(self.origin) if self.origin else None!r})")
 
 
-_SUM = {"count", "calls", "nan", "inf", "nonfinite_calls", "channels_dead"}
-_MIN = {"min", "nonfinite_first_call"}
+# The fused runtime's statistics (its state-table slots and what every probe derives from them).
+_SUM = {"count", "calls", "nan", "inf"}
+_MIN = {"min"}
 _MAX = {"max"}
 _WEIGHTED = {"mean_abs", "zero_frac"}  # fractions/means over the elements seen
-_SAME = {"node", "module", "op", "shape", "dtype", "device", "added_by", "changed_by", "auto_leaf", "channels"}
+_SAME = {c.key for c in BASE_COLUMNS if c.key != "calls"}
 
 
 def _num(v: Any) -> float | None:
@@ -143,17 +145,37 @@ def _merge_phase(rows: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
             pick = min(found) if k in _MIN else max(found)
             if any(math.isnan(v) for v in found):
                 pick = math.nan
-            out[key(k)] = int(pick) if k == "nonfinite_first_call" else pick
+            out[key(k)] = pick
     return out
 
 
-def _merge_rows(per_rank: list[list[dict[str, Any]]],
-                chan_max: list[dict[str, list[float]]] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def _merge_declared(col: Column, rows: list[dict[str, Any]]) -> tuple[Any, bool]:
+    """``(merged value, known)`` of one declared column over the ranks' rows of one node."""
+    rule = col.merge_rule
+    if callable(rule):
+        value = rule(rows)
+        return value, value is not None
+    values = [r.get(col.key) for r in rows if r.get(col.key) is not None]
+    if not values:
+        return None, True
+    if rule == "same":
+        return values[0], all(v == values[0] for v in values)
+    numbers = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    if len(numbers) != len(values):
+        return None, False
+    if rule == "sum":
+        return sum(numbers), True
+    return (min(numbers) if rule == "min" else max(numbers)), True
+
+
+def _merge_rows(per_rank: list[list[dict[str, Any]]], chan_max: list[dict[str, list[float]]] | None = None,
+                columns: list[Column] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """One merged row per node (rank 0's order), and notes about columns that could not be merged.
 
-    ``chan_max``: per rank, ``{node: per-channel maxima}`` (what makes ``dead_frac`` exact); rows
-    may also carry them as ``chan_max``.
+    ``chan_max``: per rank, ``{node: per-channel maxima}``, handed to declared merge functions as
+    each row's ``chan_max`` (rows may also carry them); ``columns``: the declarations.
     """
+    declared = [c for c in columns or [] if c.key not in _SAME]
     notes: list[str] = []
     by_node = [{r["node"]: r for r in rows} for rows in per_rank]
     if chan_max is not None:
@@ -161,19 +183,20 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]],
                    for m, maxima in zip(by_node, chan_max)]
     merged: list[dict[str, Any]] = []
     unmerged: set[str] = set()
+    unknown: set[str] = set()
     for base in per_rank[0]:
         rows = [m[base["node"]] for m in by_node if base["node"] in m]
         base = rows[0]
         row = {k: base[k] for k in base if k in _SAME}
         row.update(_merge_phase(rows, ""))
         row.update(_merge_phase(rows, "grad_"))
-        chans: list[Any] = [r.get("chan_max") for r in rows]
-        if all(isinstance(c, (list, tuple)) for c in chans) and len({len(c) for c in chans}) == 1:
-            top = [max(vals) for vals in zip(*chans)]
-            row["dead_frac"] = sum(1 for v in top if v <= 0) / len(top) if top else None
-        elif any("dead_frac" in r for r in rows):
-            row["dead_frac"] = None
-            unmerged.add("dead_frac")
+        for col in declared:
+            if col.key in row or not any(col.key in r for r in rows):
+                continue
+            value, known = _merge_declared(col, rows)
+            row[col.key] = value if known else None
+            if not known:
+                unknown.add(col.key)
         for k in base:
             if k not in row and k not in ("chan_max",):
                 values = [r.get(k) for r in rows]
@@ -182,10 +205,10 @@ def _merge_rows(per_rank: list[list[dict[str, Any]]],
                 else:
                     unmerged.add(k)
         merged.append(row)
-    if "dead_frac" in unmerged:
-        notes.append("distributed: dead_frac needs each rank's per-channel maxima (a 'chan_max' row entry); "
-                     "the rows do not carry them, so the merged dead_frac is unknown (None).")
-        unmerged.discard("dead_frac")
+    if unknown:
+        notes.append(f"distributed: the merge rules of {', '.join(sorted(unknown))} could not tell a value from the "
+                     "ranks' rows (a rule over per-channel maxima needs the fused statistics' 'chan_max'), so the "
+                     "merged rows say None (unknown) rather than guess.")
     if unmerged:
         notes.append(f"distributed: columns {', '.join(sorted(unmerged))} differ between ranks and have no merge "
                      "rule; the merged rows leave them out (each rank's own report() has them).")
@@ -212,10 +235,10 @@ def _local_origin(report: Report, node: str | None, grad: bool) -> tuple[int, st
         return None
     order = [r["node"] for r in report.rows]
     row = report.rows[order.index(node)] if node in order else {}
-    call = row.get("grad_nonfinite_first_call" if grad else "nonfinite_first_call")
-    if call is None:
-        call = 0
-    return int(call), node, order.index(node) if node in order else len(order), row.get("module", "")
+    calls = [row.get(c.key) for c in report.columns_with(ORIGIN, "grad" if grad else "forward")]
+    found = [int(c) for c in calls if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    call = min(found) if found else 0
+    return call, node, order.index(node) if node in order else len(order), row.get("module", "")
 
 
 def channel_maxima(dbg: Any) -> dict[str, list[float]]:
@@ -284,7 +307,7 @@ def merged_report(dbg: Any, *, group: Any = None, timeout: float = 60.0) -> Dist
         raise DistributedError(f"report(all_ranks=True) on rank {rank}: gathering the ranks' statistics failed: "
                                f"{str(exc).strip().splitlines()[0]}. Another rank probably failed.") from exc
     gathered.sort(key=lambda g: g["rank"])
-    rows, notes = _merge_rows([g["rows"] for g in gathered], [g["chan_max"] for g in gathered])
+    rows, notes = _merge_rows([g["rows"] for g in gathered], [g["chan_max"] for g in gathered], local.columns)
     origin = _origin(gathered, "fwd", reverse=False)
     origin_grad = _origin(gathered, "bwd", reverse=True)
     merged = DistributedReport(
