@@ -83,13 +83,39 @@ class NonFiniteProbe(FusedProbe):
         return out
 
 
+def _at_origin(key: str) -> Any:
+    """A reading of the report rows: ``key`` at the forward origin — the first row, in execution
+    order, among those that went non-finite in the earliest call that saw any (what
+    ``first_nonfinite`` names)."""
+
+    def reading(rows: Any) -> Any:
+        seen = [(r["nonfinite_first_call"], i) for i, r in enumerate(rows)
+                if isinstance(r.get("nonfinite_first_call"), (int, float)) and not isinstance(r.get("nonfinite_first_call"), bool)]
+        return rows[min(seen)[1]].get(key) if seen else None
+
+    return reading
+
+
+def samples_columns() -> tuple[Column, ...]:
+    """``nonfinite_samples`` / ``nonfinite_tokens``, answering ``Report.origin_samples`` / ``origin_tokens``."""
+    def col(name: str, answers: str, doc: str) -> Column:
+        try:
+            return Column(name, roles=HIDDEN, doc=doc, answers=answers, reading=_at_origin(name))  # type: ignore[call-arg]
+        except TypeError:  # a Column without declared readings
+            return Column(name, roles=HIDDEN, doc=doc)
+
+    return (col("nonfinite_samples", "origin_samples", "batch indices (dim 0) non-finite in the first bad call"),
+            col("nonfinite_tokens", "origin_tokens", "(batch, position) pairs non-finite in the first bad call"))
+
+
 class SamplesProbe(Probe):
     """Which rows (dim 0), and for 3-d outputs which ``(row, position)`` tokens, held NaN/Inf in the
     first call that saw any — kept on the device, captured once (no sync)."""
 
     key = "nan-check-samples"
-    columns = (Column("nonfinite_samples", roles=HIDDEN, doc="batch indices (dim 0) non-finite in the first bad call"),
-               Column("nonfinite_tokens", roles=HIDDEN, doc="(batch, position) pairs non-finite in the first bad call"))
+
+    def __init__(self) -> None:
+        self.columns = samples_columns()
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
         return {"seen": torch.zeros((), dtype=torch.bool, device=x.device),

@@ -97,17 +97,17 @@ class Report:
     def origin_samples(self) -> list[int] | None:
         """With ``NaNCheck(samples=True)``: the sorted batch indices (dim 0) at which the forward
         origin's output was non-finite in its first bad call (``None`` when not recorded)."""
-        return self._at_origin("nonfinite_samples")
+        return self._answered("origin_samples")
 
     @property
     def origin_tokens(self) -> list[tuple[int, int]] | None:
         """With ``NaNCheck(samples=True)`` and a ``(batch, sequence, ...)`` origin: its non-finite
         ``(batch, position)`` pairs in the first bad call (``None`` for other shapes)."""
-        return self._at_origin("nonfinite_tokens")
+        return self._answered("origin_tokens")
 
-    def _at_origin(self, key: str) -> Any:
-        row = next((r for r in self.rows if r["node"] == self.first_nonfinite), None)
-        return None if row is None else row.get(key)
+    def _answered(self, name: str) -> Any:
+        answer = getattr(self, "answer", None)  # declared by the probe's column (answers=, reading=)
+        return answer(name) if answer is not None else None
 
     @property
     def ok(self) -> bool:
