@@ -559,8 +559,8 @@ def align(reference: nn.Module, candidate: nn.Module, example_inputs: Any, *, ca
         raise UsageError(f"align(atol={atol!r}): an absolute tolerance >= 0.")
     if candidate_inputs is None:
         candidate_inputs = _to_device(example_inputs, _param_device(candidate))
-    ref = record(reference, example_inputs)
-    cand = record(candidate, candidate_inputs)
+    ref = _record("reference", reference, example_inputs)
+    cand = _record("candidate", candidate, candidate_inputs)
     if not ref.ops or not cand.ops:
         which = "reference" if not ref.ops else "candidate"
         raise UsageError(f"align(): the {which} ran no tensor op on the example inputs; nothing to align.")
@@ -574,6 +574,16 @@ def align(reference: nn.Module, candidate: nn.Module, example_inputs: Any, *, ca
         r = ref.ops[j] if j is not None else None
         first = Divergence((r.name, r.module) if r else (None, None), (c.name, c.module), err, tol, c.op)
     return Alignment(ref, cand, matcher, first)
+
+
+def _record(which: str, model: nn.Module, inputs: Any) -> Trace:
+    try:
+        return record(model, inputs)
+    except Exception as e:
+        hint = (" When the candidate takes its inputs in another layout (or on another device), pass them as "
+                "candidate_inputs=." if which == "candidate" else "")
+        raise UsageError(f"align(): the {which} ({type(model).__name__}) failed on its example inputs: "
+                         f"{type(e).__name__}: {e}.{hint}") from e
 
 
 def _param_device(model: nn.Module) -> torch.device | None:
