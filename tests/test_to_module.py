@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import operator
 import warnings
 
 import pytest
@@ -218,3 +219,67 @@ def test_shrink_of_an_export_graph_without_pruning_is_a_plain_copy():
     small = dbg.to_module(shrink=True)
     with torch.no_grad():
         assert torch.equal(small(input_ids=ids).logits, dbg(input_ids=ids).logits)
+
+
+class TorchvisionBlock(nn.Module):
+    """torchvision's BasicBlock as written: one in-place ReLU module called twice, ``out += identity``."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        out = self.relu(out)
+        return out
+
+
+def test_shrink_a_torchvision_style_resnet_with_in_place_residual_adds():
+    """B2: ``out += identity`` (operator.iadd) and the twice-called ReLU module no longer keep every channel."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+                          TorchvisionBlock(16, 16), TorchvisionBlock(16, 16), TorchvisionBlock(16, 32, 2),
+                          TorchvisionBlock(32, 32), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,))
+    plain = dbg.to_module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # shrinking must not give up
+        small = dbg.to_module(shrink=True)
+    assert sum(p.numel() for p in small.parameters()) < 0.5 * sum(p.numel() for p in plain.parameters())
+    assert small.get_submodule("3.conv1").out_channels < 16 and small.get_submodule("5.conv1").out_channels < 32
+    assert sum(n.target is operator.iadd for n in small.graph.nodes) == 4  # still written in place
+    torch.testing.assert_close(small(x), dbg(x), atol=1e-5, rtol=1e-4)
+
+
+def test_shrink_refuses_an_in_place_write_someone_else_reads_and_says_why():
+    class Aliased(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Conv2d(4, 8, 1), nn.Conv2d(4, 8, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            g = h * 2  # reads h before the in-place add
+            h += self.b(x)
+            return h, g, h.sum()
+
+    torch.manual_seed(0)
+    model = Aliased().eval()
+    x = torch.randn(1, 4, 4, 4)
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,))
+    small = dbg.to_module(shrink=True)
+    for a, b in zip(small(x), dbg(x)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -16,6 +16,11 @@ channels known to be exactly zero are not computed at all:
   full tensor back, zeros re-inserted by one gather (``reindex``): correct everywhere, smaller where
   the graph allows.
 
+In-place writes into a re-laid-out value (ResNet's ``out += identity``) are rewritten to write into
+the new copy when nothing else reads the old value; stateless modules called twice (torchvision's
+one ``relu`` per block) pass slices on. Where a case cannot be rewritten safely, the module is left
+whole with a ``UserWarning`` saying why (also in ``graph_record(module)["shrink"]``).
+
 Parameter count and FLOPs drop; outputs equal the masked model's up to float summation order,
 which is checked on inputs built from the recorded shapes before the result is returned.
 """
@@ -33,7 +38,7 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 from fxdebug.errors import FxDebugError
-from fxdebug.graph.meta import fx_meta
+from fxdebug.graph.meta import fx_meta, graph_record
 
 __all__ = ["reindex", "shrink"]
 
@@ -67,6 +72,10 @@ _UNARY_FUNCTIONS: set[Any] = {F.relu, torch.relu, F.relu6, F.leaky_relu, F.gelu,
 _POOL_FUNCTIONS: set[Any] = {F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
                              F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d}
 _UNARY_METHODS = {"relu", "relu_", "tanh", "contiguous", "clone"}
+
+
+_FRESH_MODULES = (nn.modules.conv._ConvNd, nn.Linear, nn.modules.batchnorm._BatchNorm)
+_FRESH_FUNCTIONS: set[Any] = {operator.add, torch.add, operator.sub, torch.sub, operator.mul, torch.mul, torch.cat}  # + reindex, below
 
 
 class _Abort(Exception):
@@ -120,10 +129,24 @@ class _Shrinker:
         """``node`` reads its inputs whole: re-insert zeros into every sliced input."""
         for inp in list(node.all_input_nodes):
             if self.keep.get(inp) is not None:
-                if _in_place(node) and inp is (node.args[0] if node.args else None):
-                    raise _Abort(f"{node.name} writes in place into a sliced value")
+                self.check_write(node, inp)
                 node.replace_input_with(inp, self.convert(node, inp, None))
         self.keep[node] = None
+
+    def check_write(self, node: Node, inp: Node) -> None:
+        """``node`` is about to read a re-laid-out copy of ``inp``: if it writes into ``inp`` in place
+        (``out += identity``), writing into the copy instead is the same only when nothing else
+        reads ``inp`` and ``inp`` is a tensor of its own (not a view of, or the same object as, another)."""
+        if not (_in_place(node) and inp is (node.args[0] if node.args else None)):
+            return
+        if set(inp.users) != {node} or not self.fresh(inp):
+            raise _Abort(f"{node.name} writes in place into a sliced value that is also read elsewhere")
+
+    def fresh(self, node: Node) -> bool:
+        """Whether ``node``'s value is a new tensor (a conv's, a batch-norm's, a sum's), not an alias."""
+        if node.op == "call_module":
+            return isinstance(self.gm.get_submodule(str(node.target)), _FRESH_MODULES)
+        return node.op == "call_function" and node.target in _FRESH_FUNCTIONS
 
     def norm_dim(self, node: Node, dim: int) -> int | None:
         r = self.rank(node)
@@ -151,8 +174,9 @@ class _Shrinker:
 
     def rule(self, node: Node) -> Callable[[Node], Keep | None] | None:
         if node.op == "call_module":
-            if self.calls[str(node.target)] != 1:
-                return None
+            stateless = isinstance(self.gm.get_submodule(str(node.target)), _UNARY_MODULES + _POOL_MODULES)
+            if self.calls[str(node.target)] != 1 and not stateless:
+                return None  # a layer called twice cannot be sliced for one of its calls
             return lambda n: self.module(n, self.keep.get(n.args[0]) if n.args and isinstance(n.args[0], Node) else None)
         target = node.target
         if node.op == "call_method":
@@ -206,8 +230,8 @@ class _Shrinker:
             self.full_inputs(node)
             return None
         want = Keep(ka.dim, tuple(sorted(set(ka.idx) | set(kb.idx))), ka.size)
-        if want != ka and _in_place(node):
-            raise _Abort(f"{node.name} adds in place into a value whose slice changes")
+        if want != ka:
+            self.check_write(node, a)
         node.replace_input_with(a, self.convert(node, a, want)) if want != ka else None
         node.replace_input_with(b, self.convert(node, b, want)) if want != kb else None
         return want
@@ -334,6 +358,9 @@ class _Shrinker:
         return Keep(out_rank - 1, alive, full)
 
 
+_FRESH_FUNCTIONS.add(reindex)
+
+
 def _in_place(node: Node) -> bool:
     name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", "")
     return name.endswith("_") or node.target in (operator.iadd, operator.imul)
@@ -397,7 +424,9 @@ def shrink(gm: GraphModule) -> GraphModule:
         for node in list(gm.graph.nodes):
             shrinker.visit(node)
     except _Abort as why:
-        original.meta["fxdebug_shrink"] = f"not shrunk: {why}"
+        graph_record(original)["shrink"] = f"not shrunk: {why}"
+        warnings.warn(f"to_module(shrink=True) left the module whole: {why}. Its outputs are the masked model's; "
+                      "graph_record(module)['shrink'] keeps this reason.", UserWarning, stacklevel=3)
         return original
     gm.graph.lint()
     gm.recompile()
@@ -411,5 +440,5 @@ def shrink(gm: GraphModule) -> GraphModule:
                     "to_module(shrink=True): the shrunk module does not reproduce the masked one on inputs of the "
                     f"recorded shapes (max |diff| {(a - b).abs().max().item():.3g}); please report it, and use "
                     "to_module(shrink=False) meanwhile.")
-    gm.meta["fxdebug_shrink"] = "shrunk"
+    graph_record(gm)["shrink"] = "shrunk"
     return gm
