@@ -32,6 +32,7 @@ _WHERE = {
     "ParamGrads": "param_grads",
     "ParamUpdates": "param_updates",
     "Histograms": "histograms",
+    "ExpertLoad": "moe",
 }
 
 __all__ = sorted(_WHERE)
