@@ -309,3 +309,97 @@ def test_a_global_module_hook_added_later_is_refused() -> None:
     finally:
         handle.remove()
     torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+
+
+# -- 3. subtrees: parametrizations, a child named like fxdebug's namespace ---------------------------
+class Symmetric(nn.Module):
+    def forward(self, w: Tensor) -> Tensor:
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_parametrized_weight_is_followed(frontend: str) -> None:
+    from torch.nn.utils import parametrize
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    parametrize.register_parametrization(model[0], "weight", Symmetric())
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend=frontend)
+    torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+    with torch.no_grad():
+        model[0].parametrizations.weight.original.mul_(2)
+    torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+
+
+class NamedLikeUs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fxdebug = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.fxdebug(x))
+
+
+@pytest.mark.parametrize("frontend", FRONTENDS)
+def test_a_child_named_fxdebug_is_kept_or_refused_and_never_written_into(frontend: str) -> None:
+    model = NamedLikeUs()
+    x = torch.randn(2, 4)
+    try:
+        dbg = fxdebug.instrument(model, passes(), x, frontend=frontend)
+    except TraceError as exc:
+        assert frontend != "subtrees" and "attribute 'fxdebug'" in str(exc) and exc.module == "fxdebug"
+    else:
+        torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+        assert dbg.report().rows
+    assert list(model.fxdebug._modules) == [], "fxdebug's modules were written into the user's child"
+
+
+# -- 4. export: torch's range guards are kept; tensor hooks it would drop are refused -----------------
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[1] > 8:
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+def test_export_keeps_the_range_guard_of_a_shape_branch() -> None:
+    model = Branchy()
+    dbg = fxdebug.instrument(model, passes(), torch.randn(2, 5, 4), frontend="export")
+    short = torch.randn(2, 7, 4)
+    torch.testing.assert_close(dbg(short), model(short), rtol=0, atol=0)  # a size the captured branch covers
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"size 12 in dimension 1.*at most 8.*branches on this size"):
+        dbg(torch.randn(2, 12, 4))
+
+
+class Reversal(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        if y.requires_grad:  # gradient reversal, as domain-adaptation models write it
+            y.register_hook(lambda g: -g)
+        return y * 2
+
+
+def test_export_refuses_a_tensor_hook_registered_in_forward() -> None:
+    with pytest.raises(TraceError, match=r"registers a tensor hook \(Tensor.register_hook\).*drops it") as info:
+        fxdebug.instrument(Reversal(), passes(), torch.randn(2, 4), frontend="export")
+    assert info.value.op == "Tensor.register_hook"
+
+
+def test_a_tensor_hook_registered_in_forward_runs_at_every_call_or_is_refused() -> None:
+    model = Reversal()
+    x = torch.randn(2, 4)
+    with pytest.raises(TraceError, match="requires_grad"):  # symbolic: refused (it branches on requires_grad)
+        fxdebug.instrument(model, passes(), x, frontend="symbolic")
+    dbg = fxdebug.instrument(nn.Sequential(model), passes(), x, frontend="subtrees")  # the hooking module stays eager
+    assert _grads(dbg, x)[0].equal(_grads(model, x)[0])
+    dbg = fxdebug.instrument(model, passes(), x, frontend="subtrees")
+    assert _grads(dbg, x)[0].equal(_grads(model, x)[0])

@@ -133,3 +133,83 @@ def test_dropout_functional_in_both_modes_verified() -> None:
     model = Drop().eval()
     dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(torch.randn(8, 4),), frontend="symbolic")
     assert fxdebug.verify(dbg, torch.randn(8, 4)).ok
+
+
+# -- issue 23: input gradients, numpy/Python random streams, modes switched on the model ---------------
+class _NegateGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:  # type: ignore[override]
+        return -g
+
+
+def _negate_grad(x: Tensor) -> Tensor:
+    return _NegateGrad.apply(x)
+
+
+def test_verify_compares_input_gradients() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="symbolic")
+    assert fxdebug.verify(dbg, x), "faithful before the edit"
+    # identity forward, negated gradient on the input only: outputs and parameter gradients stay equal
+    graph = dbg.graph
+    ph = next(n for n in graph.nodes if n.op == "placeholder")
+    with graph.inserting_after(ph):
+        neg = graph.call_function(_negate_grad, (ph,))
+    ph.replace_all_uses_with(neg, delete_user_cb=lambda u: u is not neg)
+    dbg.recompile()
+    result = fxdebug.verify(dbg, x)
+    assert not result
+    assert any("gradient of 'input 0' differs" in m for m in result.mismatches), result.mismatches
+
+
+class _DrawsNumpy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        import random
+
+        import numpy as np
+
+        return self.lin(x) * float(np.random.rand()) + random.random()
+
+
+def test_verify_forks_numpy_and_python_random_streams() -> None:
+    import random
+
+    import numpy as np
+
+    model = nn.Sequential(_DrawsNumpy())
+    x = torch.randn(3, 4)
+    np.random.seed(0)
+    random.seed(0)
+    np_before, py_before = np.random.get_state()[1].copy(), random.getstate()
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="subtrees")  # the drawing root stays eager
+    result = fxdebug.verify(dbg, x)
+    assert result, result.mismatches  # both runs draw the same numbers: no false alarm
+    assert (np.random.get_state()[1] == np_before).all() and random.getstate() == py_before
+    frozen = fxdebug.instrument(model, [StatCollector()], x, frontend="symbolic")  # folds the draw into a constant
+    np.random.rand()  # the stream moves on; the frozen constant does not
+    assert not fxdebug.verify(frozen, x), "a draw frozen at trace time must be a mismatch"
+
+
+def test_verify_switches_modes_on_the_model_and_the_instrumented_module_follows() -> None:
+    model = Counting().eval()
+    x = torch.randn(4, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="symbolic")
+    result = fxdebug.verify(dbg, x)
+    assert result, result.mismatches
+    assert not model.training and not dbg.training
+    twin = copy.deepcopy(model).train()
+    model.train()  # as a Trainer does; dbg is not told
+    torch.manual_seed(0)
+    got = dbg(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, twin(x), rtol=0, atol=0)
+    assert fxdebug.verify(dbg, x, modes=("train",))

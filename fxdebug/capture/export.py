@@ -40,7 +40,7 @@ from fxdebug.capture.faithful_export import export_shell, watched_export
 from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import untouched_state
 from fxdebug.graph.meta import _clean_export_path, fx_meta
-from fxdebug.graph.module_state import refuse_uninitialized
+from fxdebug.graph.module_state import refuse_namespace_clash, refuse_uninitialized
 from fxdebug.capture.symbolic import TraceInfo
 
 __all__ = ["InputGuard", "capture_export"]
@@ -65,10 +65,16 @@ class InputGuard(nn.Module):
     check names the input and the dimension instead. Shapes are host metadata: no device sync.
     """
 
-    def __init__(self, names: list[str], shapes: list[tuple[int | None, ...] | None]) -> None:
+    def __init__(self, names: list[str], shapes: list[tuple[int | None, ...] | None],
+                 symbols: list[tuple[str | None, ...] | None] | None = None,
+                 ranges: dict[str, tuple[int | None, int | None]] | None = None) -> None:
         super().__init__()
         self.names = names
         self.shapes = shapes
+        # torch.export's own guards on the free dimensions: the symbol of each dimension (two dimensions
+        # with one symbol must be equal) and the range the model's Python allowed (``if x.shape[1] > 8:``)
+        self.symbols = symbols
+        self.ranges = ranges or {}
 
     def forward(self, *flat: Any) -> None:
         for name, want, value in zip(self.names, self.shapes, flat):
@@ -84,7 +90,35 @@ class InputGuard(nn.Module):
                     "/ instrument to let the batch dimension vary.",
                     node=name,
                 )
+        symbols = getattr(self, "symbols", None)  # absent on a guard pickled before ranges were kept
+        if symbols:
+            self._check_symbols(flat, symbols)
         return None
+
+    def _check_symbols(self, flat: tuple[Any, ...], symbols: list[tuple[str | None, ...] | None]) -> None:
+        seen: dict[str, tuple[int, str, int]] = {}
+        for name, dims, value in zip(self.names, symbols, flat):
+            if dims is None or not isinstance(value, Tensor):
+                continue
+            for d, (sym, size) in enumerate(zip(dims, value.shape)):
+                if sym is None:
+                    continue
+                lo, hi = self.ranges.get(sym, (None, None))
+                if (lo is not None and size < lo) or (hi is not None and size > hi):
+                    allowed = (f"at most {hi}" if lo is None else f"at least {lo}" if hi is None else f"{lo}..{hi}")
+                    raise ShapeMismatchError(
+                        f"input '{name}' has size {size} in dimension {d}, but torch.export captured this graph for sizes "
+                        f"{allowed} there"
+                        ": the model's Python branches on this size (a guard such as "
+                        "`if x.shape[1] > 8:`), so at this size it would take another path than the captured one. "
+                        "Instrument again with inputs of this size, or use frontend='auto' (Dynamo captures again "
+                        "when a guard fails).", node=name)
+                first = seen.setdefault(sym, (size, name, d))
+                if first[0] != size:
+                    raise ShapeMismatchError(
+                        f"input '{name}' has size {size} in dimension {d}, but '{first[1]}' has {first[0]} in dimension "
+                        f"{first[2]}, and torch.export captured the graph for these two sizes being equal. Instrument "
+                        "again with inputs like these, or use frontend='auto'.", node=name)
 
 
 def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], every_dim: bool = False) -> Any:
@@ -256,7 +290,32 @@ def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: 
     return moved
 
 
-def _replace_guards(graph: Graph, space: nn.Module) -> None:
+def _range_constraints(program: Any) -> dict[str, tuple[int | None, int | None]]:
+    """``{symbol: (low, high)}`` for each free dimension torch.export bounded beyond its defaults."""
+    out: dict[str, tuple[int | None, int | None]] = {}
+    for sym, vr in (getattr(program, "range_constraints", None) or {}).items():
+        lo, hi = _finite(vr.lower), _finite(vr.upper)
+        lo = lo if lo is not None and lo > 2 else None  # 2: torch's own assumption for every free size
+        if lo is not None or hi is not None:
+            out[str(sym)] = (lo, hi)
+    return out
+
+
+def _finite(value: Any) -> int | None:
+    if "oo" in str(value):  # sympy's oo / torch's int_oo: no bound
+        return None
+    try:
+        return int(value)
+    except Exception:  # noqa: BLE001 - any other symbolic bound: not checked
+        return None
+
+
+def _symbol(d: Any) -> str | None:
+    expr = getattr(getattr(d, "node", None), "expr", None)
+    return str(expr) if expr is not None and getattr(expr, "is_Symbol", False) else None
+
+
+def _replace_guards(graph: Graph, space: nn.Module, ranges: dict[str, tuple[int | None, int | None]] | None = None) -> None:
     """Swap torch's guard call (not picklable) for an ``InputGuard`` over the flat inputs."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for node in list(graph.nodes):
@@ -264,16 +323,21 @@ def _replace_guards(graph: Graph, space: nn.Module) -> None:
             graph.erase_node(node)
     names: list[str] = []
     shapes: list[tuple[int | None, ...] | None] = []
+    symbols: list[tuple[str | None, ...] | None] = []
     for ph in placeholders:
         val = ph.meta.get("val")
         names.append(ph.name)
         if isinstance(val, Tensor):
             shapes.append(tuple(_static_size(d) for d in val.shape))
+            symbols.append(tuple(_symbol(d) for d in val.shape))
         else:
             shapes.append(None)
+            symbols.append(None)
     if not any(s is not None for s in shapes):
         return
-    space.add_module("input_guard", InputGuard(names, shapes))
+    named = [s for dims in symbols if dims for s in dims if s is not None]
+    checked = ranges or len(named) != len(set(named))  # a range, or one symbol shared by two dimensions
+    space.add_module("input_guard", InputGuard(names, shapes, symbols if checked else None, ranges))
     anchor = placeholders[-1]
     with graph.inserting_after(anchor):
         guard = graph.create_node("call_module", "fxdebug.input_guard", tuple(placeholders), {})
@@ -341,6 +405,7 @@ def capture_export(
     args, kwargs = inputs
     info = TraceInfo(frontend="export")
     refuse_uninitialized(model, "export")
+    refuse_namespace_clash(model, "export")
     shell = export_shell(model)  # the root's own hooks run at call time, not inside the graph
     try:
         with untouched_state(model), watched_export(shell) as watch:
@@ -364,7 +429,7 @@ def capture_export(
     moved = _rehome_state(model, exported, graph, space)
     watch.check_buffer_updates(graph)  # every buffer the forward reassigned is updated by the graph
     clean_graph_meta(graph)  # module stacks name the user's classes, not fxdebug's read-recording ones
-    _replace_guards(graph, space)
+    _replace_guards(graph, space, _range_constraints(program))
     annotate_export(graph, model)
     if moved:
         info.notes.append(f"export: {len(moved)} tensors created by forward are kept as constants under 'fxdebug'")

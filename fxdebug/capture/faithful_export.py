@@ -26,11 +26,18 @@ import copy
 from collections import OrderedDict
 from typing import Any, Iterator
 
+import torch
 from torch import nn
 from torch.fx import Graph
 
 from fxdebug.errors import TraceError
-from fxdebug.capture.faithful import attribute_reads, has_call_hooks, patched_for_tracing, writes_and_functions
+from fxdebug.capture.faithful import (
+    attribute_reads,
+    caller_location,
+    has_call_hooks,
+    patched_for_tracing,
+    writes_and_functions,
+)
 
 __all__ = ["ExportWatch", "export_shell", "watched_export"]
 
@@ -90,18 +97,48 @@ class ExportWatch(list):
 
 
 @contextlib.contextmanager
+def _tensor_hooks_seen() -> Iterator[list[tuple[str, str | None]]]:
+    """Record ``Tensor.register_hook`` / ``register_post_accumulate_grad_hook`` calls made while exporting."""
+    seen: list[tuple[str, str | None]] = []
+    originals = {name: torch.Tensor.__dict__[name] for name in _TENSOR_HOOKS if name in torch.Tensor.__dict__}
+
+    def recorder(name: str, original: Any) -> Any:
+        def register(self: Any, *args: Any, **kwargs: Any) -> Any:
+            seen.append((name, caller_location()))
+            return original(self, *args, **kwargs)
+        return register
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, recorder(name, original))
+    try:
+        yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+_TENSOR_HOOKS = ("register_hook", "register_post_accumulate_grad_hook")
+
+
+@contextlib.contextmanager
 def watched_export(model: nn.Module) -> Iterator[ExportWatch]:
     """Around ``torch.export``: collects what the export got wrong (see above) and what it read."""
     _check_hooks(model)
     watch = ExportWatch()
     problems = watch.problems
     paths = {id(m): p for p, m in model.named_modules()}
-    with patched_for_tracing(None, model, on_write="record"):
+    with patched_for_tracing(None, model, on_write="record"), _tensor_hooks_seen() as hooks:
         try:
             yield watch
         finally:
             writes, functions = writes_and_functions()
             watch.guards = [(paths[k[0]], k[1], v) for k, (_, v) in attribute_reads().items() if k[0] in paths]
+    for method, where in hooks[:1]:
+        at = f" at {where}" if where else ""
+        problems.append(TraceError(
+            f"the forward of {type(model).__name__}{at} registers a tensor hook (Tensor.{method}); torch.export "
+            "drops it from the graph, so gradients would differ from the model's. Use frontend='symbolic' or "
+            "'subtrees' (the hook is registered at every call), or frontend='auto'.", module="", op=f"Tensor.{method}"))
     for cls, where in functions:
         at = f" at {where}" if where else ""
         problems.append(TraceError(

@@ -153,14 +153,31 @@ class LiveGuard:
             return
         state = gm.__dict__.get("_fxdebug_live_root")
         if state is None:  # the first guard seen is the user's model; captures for other modes are copies
-            state = gm.__dict__["_fxdebug_live_root"] = [model, self._training]
-        root, seen = state
-        if root.training != seen:  # model.train() / model.eval() on the model, not on the instrumented module
-            state[1] = root.training
+            state = gm.__dict__["_fxdebug_live_root"] = _Root(model, self._training)
+        root = state.model
+        if root is None:
+            return
+        if root.training != state.seen:  # model.train() / model.eval() on the model, not on the instrumented module
+            state.seen = root.training
             gm.__dict__["training"] = root.training
         full = root.__dict__.get("_is_full_backward_hook")
         if gm.__dict__.get("_is_full_backward_hook") is not full:
             gm.__dict__["_is_full_backward_hook"] = full
+
+
+class _Root:
+    """The model whose root flags an instrumented module follows, and the flag last seen on it.
+    A copy of the instrumented module holds copies of the modules: it follows nothing."""
+
+    def __init__(self, model: nn.Module | None, seen: bool) -> None:
+        self.model = model
+        self.seen = seen
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Root":
+        return _Root(None, self.seen)
+
+    def __reduce__(self) -> Any:
+        return (_Root, (None, self.seen))
 
 
 def _unique(modules: Iterable[nn.Module]) -> list[nn.Module]:

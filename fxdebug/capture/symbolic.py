@@ -31,7 +31,7 @@ from fxdebug.capture.faithful import StateWrite, clean_graph_meta, has_call_hook
 from fxdebug.capture.inplace_proxy import MutatingProxy
 from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import Inputs, normalize_inputs, untouched_state
-from fxdebug.graph.module_state import refuse_uninitialized
+from fxdebug.graph.module_state import refuse_namespace_clash, refuse_uninitialized
 from fxdebug.graph.meta import fx_meta
 
 __all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
@@ -238,6 +238,7 @@ def capture_symbolic(
         info.notes.append(f"arguments left at None are pinned to None in the graph: {sorted(concrete)}")
     max_attempts = sum(1 for _ in model.named_modules()) + 2
     own_attributes = set(model.__dict__)
+    refuse_namespace_clash(model, "symbolic")
     if inputs is not None:  # the pipeline runs them on the graph: a lazy module would materialize
         refuse_uninitialized(model, "symbolic")
     try:

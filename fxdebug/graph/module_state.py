@@ -129,3 +129,18 @@ def refuse_uninitialized(root: nn.Module, frontend: str) -> None:
                 f"parameters have no shape. Capturing with frontend='{frontend}' runs the example inputs, which "
                 "would materialize it on your model (fxdebug never changes the model). Run the model once "
                 "first (model(*example_inputs)), then instrument it.", module=path, op=type(m).__name__)
+
+
+def refuse_namespace_clash(root: nn.Module, frontend: str, namespace: str = "fxdebug") -> None:
+    """A child or attribute of the root named like fxdebug's own namespace: the graph would put fxdebug's
+    modules (observers, the clock) into the user's module. Raise a ``TraceError`` naming it instead."""
+    from fxdebug.errors import TraceError
+
+    if namespace in root._modules or namespace in root.__dict__ or namespace in root._parameters \
+            or namespace in root._buffers:
+        value = root._modules.get(namespace, root.__dict__.get(namespace))
+        raise TraceError(
+            f"{type(root).__name__} has its own attribute '{namespace}' ({type(value).__name__}); frontend='{frontend}' "
+            f"keeps fxdebug's modules (observers, the clock) under that name on the captured graph, which would "
+            f"write them into your module. Use frontend='subtrees' (the root stays eager) or frontend='auto', or "
+            f"rename the attribute.", module=namespace, op=type(value).__name__)

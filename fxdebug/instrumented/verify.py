@@ -28,6 +28,7 @@ from fxdebug.errors import ArgumentTypeError, MissingInputsError, VerificationEr
 from fxdebug.graph.inputs import bind_inputs, clone_inputs, normalize_inputs
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import fx_meta
+from fxdebug.graph.module_state import restore_containers, restore_random_state, saved_containers, saved_random_state
 from fxdebug.instrumented.modes import NAMESPACE, recipe
 
 __all__ = ["Verification", "verify"]
@@ -78,10 +79,14 @@ def _restored(*roots: nn.Module) -> Iterator[None]:
     plain: list[tuple[nn.Module, dict[str, Any]]] = [
         (m, {k: v for k, v in vars(m).items() if isinstance(v, _PLAIN) and k != "training"}) for m in modules]
     devices = sorted({p.device.index or 0 for p, _, _ in grads if p.device.type == "cuda"})
+    streams = [state for r in roots for state in saved_random_state(r)]  # Python, numpy, model-held generators
+    containers = [c for r in roots for c in saved_containers(r)]
     with torch.random.fork_rng(devices=devices, enabled=True):
         try:
             yield
         finally:
+            restore_random_state(streams)
+            restore_containers(containers)
             with torch.no_grad():
                 for m, entries, values in buffers:
                     m._buffers.clear()
@@ -165,8 +170,11 @@ _SKIP = frozenset(nn.Module().__dict__) - {"_buffers"}
 
 
 def _reset(model: nn.Module, buffers: dict[int, tuple[nn.Module, dict[str, Any], dict[str, Tensor]]],
-           params: list[nn.Parameter], seed: int) -> None:
-    """Back to the starting point between the two runs of one mode."""
+           params: list[nn.Parameter], seed: int, streams: list[tuple[Any, Any]] | None = None) -> None:
+    """Back to the starting point between the two runs of one mode: buffers, gradients, every random
+    stream (torch's from ``seed``; Python's, numpy's and the model's generators as they were at the start)."""
+    if streams is not None:
+        restore_random_state(streams)
     with torch.no_grad():
         for m, entries, values in buffers.values():
             m._buffers.clear()
@@ -189,12 +197,25 @@ def _loss(out: Any) -> Tensor | None:
 
 
 def _run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    out = module(*clone_inputs(args), **clone_inputs(kwargs))
+    """One forward and backward; the output and the gradient of every floating-point input."""
+    leaves: list[Tensor] = []
+
+    def fed(v: Any) -> Any:
+        if not isinstance(v, Tensor):
+            return v
+        if not v.is_floating_point() or not torch.is_grad_enabled():
+            return v.clone()
+        leaf = v.detach().clone().requires_grad_(True)
+        leaves.append(leaf)
+        return leaf.clone()  # not the leaf itself: a forward may write into its input in place
+
+    out = module(*pytree.tree_map(fed, args), **pytree.tree_map(fed, kwargs))
     loss = _loss(out)
     if loss is not None:
         loss.backward()
     snap = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, Tensor) else v, out)
-    return snap, {}, {}
+    input_grads = {f"input {i}": None if t.grad is None else t.grad.clone() for i, t in enumerate(leaves)}
+    return snap, input_grads, {}
 
 
 def _equal(a: Any, b: Any, rtol: float, atol: float) -> bool:
@@ -231,21 +252,22 @@ def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", 
         start = {id(m): (m, dict(m._buffers), {k: v.detach().clone() for k, v in m._buffers.items() if v is not None})
                  for m in modules}
         params = list({id(p): p for r in (model, dbg) for p in r.parameters()}.values())
+        streams = saved_random_state(model)
         for mode in modes:
             training = mode == "train"
-            model.train(training)
-            dbg.train(training)
+            model.train(training)  # on the model, as a training loop does: the instrumented module must follow
             runs = []
             for module in (model, dbg):
-                _reset(model, start, params, seed)
-                out, _, _ = _run(module, args, kwargs)
+                _reset(model, start, params, seed, streams)
+                out, input_grads, _ = _run(module, args, kwargs)
                 grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
+                grads.update(input_grads)
                 bufs = {k: b.detach().clone() for k, b in model.named_buffers()}
                 runs.append((out, grads, bufs))
             before = len(result.mismatches)
             _compare(runs[0], runs[1], mode, result, rtol, atol)
             if len(result.mismatches) > before and result.first_node is None:
-                _reset(model, start, params, seed)
+                _reset(model, start, params, seed, streams)
                 forward_differs = any(m.startswith(f"{mode}: output") for m in result.mismatches[before:])
                 _locate(dbg, model, args, kwargs, seed, forward_differs, result, start, params)
     result.ok = not result.mismatches
