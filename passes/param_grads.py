@@ -104,6 +104,14 @@ class ParamGradProbe(Probe):
                        param_grad_norm=(sq / calls) ** 0.5)
         return out
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ParamGradProbe":
+        """The parameters are the model's, not the probe's: a copy of the instrumentation alone
+        (``instrument(dbg, ...)`` re-instrumenting a module) hooks the same live parameters; a copy
+        of the whole model hooks the copied ones (already in ``memo``)."""
+        new = ParamGradProbe({k: memo.get(id(p), p) for k, p in self.params.items()}, self.owner)
+        memo[id(self)] = new
+        return new
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_handles"], state["_call"] = [], None

@@ -75,3 +75,21 @@ def test_a_leaf_whose_first_parameter_is_unused_still_counts_its_backward():
     used = [p.grad for p in model.gate.parameters() if p.grad is not None]
     assert row["param_grad_calls"] == 1 and 0 < len(used) < 4
     assert row["param_grad_max_abs"] == pytest.approx(max(float(g.abs().max()) for g in used))
+
+
+def test_keeps_recording_after_the_documented_re_instrument_step():
+    """B4: ``instrument(dbg, [SwapActivation(only_dead=...)])`` copies fxdebug's modules; ParamGrads'
+    hooks must land on the model's live parameters, not on copies nothing computes with."""
+    from fxdebug.passes import StatCollector, SwapActivation
+
+    torch.manual_seed(0)
+    model, (x,) = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [StatCollector(), ParamGrads()], example_inputs=(x,))
+    dbg(x).sum().backward()
+    fixed = fxdebug.instrument(dbg, [SwapActivation(only_dead=0.0)], example_inputs=(x,))
+    fixed.reset()
+    model.zero_grad(set_to_none=True)
+    fixed(x).sum().backward()
+    row = fixed.report().row("layer1_0_conv1")
+    assert row["param_grad_calls"] == 1
+    assert row["param_grad_max_abs"] == pytest.approx(float(model.layer1[0].conv1.weight.grad.abs().max()), rel=1e-6)
