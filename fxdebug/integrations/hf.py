@@ -48,7 +48,7 @@ except ImportError as _exc:  # the extra is not installed: say which
 __all__ = ["FxDebugTrainerCallback"]
 
 
-class FxDebugTrainerCallback(TrainerCallback):  # type: ignore[misc]
+class FxDebugTrainerCallback(TrainerCallback):
     """A ``transformers.TrainerCallback`` that instruments, logs capped per-node metrics and stops on NaN."""
 
     def __init__(self, passes: Sequence[Any] | None = None, *, every: int = 1, top_k: int | None = 20,
@@ -136,7 +136,7 @@ class FxDebugTrainerCallback(TrainerCallback):  # type: ignore[misc]
 
 def _find_trainer(callback: Any) -> Any:
     """The ``Trainer`` running ``callback`` (its frame is a few calls up from ``on_train_begin``)."""
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(12):
         if frame is None:
             break

@@ -39,14 +39,14 @@ try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:
     try:
-        from pytorch_lightning.callbacks import Callback
+        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
     except ImportError as _exc:
         raise ImportError("fxdebug.integrations.lightning needs Lightning: pip install 'fxdebug[lightning]'.") from _exc
 
 __all__ = ["FxDebugCallback"]
 
 
-class FxDebugCallback(Callback):  # type: ignore[misc]
+class FxDebugCallback(Callback):
     """A Lightning ``Callback`` that instruments, logs capped per-node metrics and stops on NaN."""
 
     def __init__(self, passes: Sequence[Any] | None = None, *, every: int = 1, top_k: int | None = 20,

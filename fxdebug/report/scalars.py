@@ -6,11 +6,13 @@ Every experiment tracker takes such a dict (``accelerator.log``, ``wandb.log``, 
 
 * summaries (always there): ``calls``, ``nodes`` (observed), ``nonfinite_nodes`` (how many saw
   NaN/Inf), ``ok`` (1.0 when none did), and where the report has them ``max_abs`` (largest finite
-  |value| of any node) and ``grad_norm_min`` / ``grad_norm_max`` over nodes;
+  |value| of any node) and ``grad_max_abs_min`` / ``grad_max_abs_max`` over nodes (vanishing and
+  exploding gradients at a glance);
 * per node (at most ``top_k`` keys in all): ``max_abs`` of the output (max(|min|, |max|)),
-  ``grad_norm`` (``StatCollector(grads=True)``), ``param_grad_norm`` (``ParamGrads``),
-  ``time_ms`` (``Profile``), and every column declared with the ``NONFINITE`` role whose count is
-  non-zero (``nonfinite_calls`` with ``NaNCheck``).
+  ``grad_max_abs`` of its gradient (``StatCollector(grads=True)``), every column declared with the
+  ``GRADIENT`` role (``ParamGrads``) or the ``COLOR`` role (where it applies: a dead fraction on
+  activations, ``Profile``'s time share), and every column declared with the ``NONFINITE`` role
+  whose count is non-zero (``nonfinite_calls`` with ``NaNCheck``).
 
 Per-layer metrics flood dashboards (a tracker freezes at a few thousand charts), so ``top_k``
 keeps the most informative nodes: those that saw non-finite values first (the origin first, then
@@ -24,11 +26,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from fxdebug.runtime.columns import NONFINITE
+from fxdebug.runtime.columns import COLOR, GRADIENT, NONFINITE, Column
 
 __all__ = ["scalars"]
-
-_PER_NODE = ("max_abs", "grad_norm", "param_grad_norm", "time_ms")
 
 
 def _finite(v: Any) -> float | None:
@@ -38,21 +38,25 @@ def _finite(v: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _node_values(row: dict[str, Any], nonfinite_keys: list[str]) -> dict[str, float]:
+def _max_abs(row: dict[str, Any], lo: str, hi: str) -> float | None:
+    a, b = _finite(row.get(lo)), _finite(row.get(hi))
+    return None if a is None or b is None else max(abs(a), abs(b))
+
+
+def _node_values(row: dict[str, Any], nonfinite: list[Column], declared: list[Column]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for key in nonfinite_keys:
-        count = _finite(row.get(key))
+    for col in nonfinite:
+        count = _finite(row.get(col.key))
         if count:
-            out[key] = count
-    lo, hi = row.get("min"), row.get("max")
-    if lo is not None and hi is not None:
-        a, b = _finite(lo), _finite(hi)
-        if a is not None and b is not None:
-            out["max_abs"] = max(abs(a), abs(b))
-    for name in _PER_NODE[1:]:
-        v = _finite(row.get(name))
+            out[col.key] = count
+    for name, lo, hi in (("max_abs", "min", "max"), ("grad_max_abs", "grad_min", "grad_max")):
+        v = _max_abs(row, lo, hi)
         if v is not None:
             out[name] = v
+    for col in declared:
+        v = _finite(row.get(col.key))
+        if v is not None and col.applies(row):
+            out[col.key] = v
     return out
 
 
@@ -68,16 +72,17 @@ def scalars(report: Any, prefix: str = "fxdebug/", top_k: int | None = None) -> 
         from fxdebug.errors import UsageError
 
         raise UsageError(f"scalars(top_k={top_k!r}): top_k is a number of per-node keys (an int >= 0) or None for all.")
-    nonfinite_keys = [c.key for c in report.columns_with(NONFINITE)]
+    nonfinite = report.columns_with(NONFINITE)
+    declared = [c for c in report.columns if {GRADIENT, COLOR} & c.roles and c not in nonfinite]
     rows = report.rows
-    values = [_node_values(r, nonfinite_keys) for r in rows]
+    values = [_node_values(r, nonfinite, declared) for r in rows]
     bad = [i for i, r in enumerate(rows) if report.nonfinite_in(r)]
     origin = {report.first_nonfinite, report.first_nonfinite_grad} - {None}
     bad.sort(key=lambda i: (rows[i]["node"] not in origin, i))
 
     def size(i: int) -> float:
         v = values[i]
-        return v.get("max_abs", v.get("grad_norm", v.get("param_grad_norm", v.get("time_ms", 0.0))))
+        return v.get("max_abs", v.get("grad_max_abs", next((v[c.key] for c in declared if c.key in v), 0.0)))
 
     bad_set = set(bad)
     rest = sorted((i for i in range(len(rows)) if i not in bad_set), key=lambda i: (-size(i), i))
@@ -90,10 +95,10 @@ def scalars(report: Any, prefix: str = "fxdebug/", top_k: int | None = None) -> 
     magnitudes = [v["max_abs"] for v in values if "max_abs" in v]
     if magnitudes:
         out[f"{prefix}max_abs"] = max(magnitudes)
-    grads = [v["grad_norm"] for v in values if "grad_norm" in v]
+    grads = [v["grad_max_abs"] for v in values if "grad_max_abs" in v]
     if grads:
-        out[f"{prefix}grad_norm_min"] = min(grads)
-        out[f"{prefix}grad_norm_max"] = max(grads)
+        out[f"{prefix}grad_max_abs_min"] = min(grads)
+        out[f"{prefix}grad_max_abs_max"] = max(grads)
     budget = math.inf if top_k is None else top_k
     taken = 0
     for i in bad + rest:
