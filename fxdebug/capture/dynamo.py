@@ -53,6 +53,7 @@ class DynamoGraph:
     graph_break: bool = False
     reason: str = ""
     where: str = ""  # the user's line where the graph ended
+    code: str = ""  # the frame's code (file, function, first line): the same in every recompile of it
     sources: list[str] = field(default_factory=list)  # each placeholder's source (``L['self']._modules['fc1']...``)
 
     @property
@@ -98,7 +99,7 @@ def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     compile_id = torch._guards.CompileContext.current_compile_id()
     graph_break, reason, where = _ending(gm)
     graph = DynamoGraph(gm, getattr(compile_id, "frame_id", -1) or 0, getattr(compile_id, "frame_compile_id", 0) or 0,
-                        graph_break, reason, where)
+                        graph_break, reason, where, code=_code_key())
     graph.sources = [_source_name(n) for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo drops them later
     plain = gm.forward
 
@@ -110,6 +111,16 @@ def backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
 
     run.fxdebug_graph = graph  # type: ignore[attr-defined]
     return run
+
+
+def _code_key() -> str:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        code = InstructionTranslator.current_tx().f_code
+        return f"{code.co_filename}:{code.co_name}:{code.co_firstlineno}"
+    except Exception:  # another torch: fall back on Dynamo's frame counter
+        return ""
 
 
 def dynamo_config() -> Any:
@@ -181,14 +192,17 @@ def _op_name(node: Node) -> str:
 class NodeNamer:
     """Stable node identities over every capture of one live module.
 
-    ``(frame, base, occurrence)`` maps to one name: recompiles of a frame reuse its names (their
-    rows merge); another frame (after a graph break) continues the numbering instead of clashing.
+    ``(frame, base, occurrence)`` maps to one name. Inside a module the frame is ``None``: the
+    module path + op + occurrence is the identity, whichever frame ran it (a recompile, or the same
+    forward entered through another frame after a graph break), so their rows merge. At the root
+    the frame's code is part of it: the root ops of another frame (after a graph break) continue
+    the numbering instead of merging with unrelated ones.
     """
 
-    names: dict[tuple[int, str, int], str] = field(default_factory=dict)
+    names: dict[tuple[Any, str, int], str] = field(default_factory=dict)
     used: set[str] = field(default_factory=set)
 
-    def name(self, frame: int, base: str, occurrence: int) -> str:
+    def name(self, frame: Any, base: str, occurrence: int) -> str:
         key = (frame, base, occurrence)
         found = self.names.get(key)
         if found is not None:
@@ -289,7 +303,7 @@ def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: 
         k = counts.get(base, 0)
         counts[base] = k + 1
         out = new.create_node(node.op, node.target, arg(node.args), arg(node.kwargs),
-                              name=namer.name(graph.frame, base, k))
+                              name=namer.name(None if path else (graph.code or graph.frame), base, k))
         out.meta.update(meta)
         fx_meta(out)["module"] = path
         if typ is not None:

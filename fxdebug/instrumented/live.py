@@ -156,7 +156,7 @@ class LiveInstrumented(Instrumented):
         notes = list(self.trace_info.notes)
         if not graphs:
             return notes
-        frames = sorted({g.frame for g in graphs})
+        frames = {g.code or g.frame for g in graphs}
         recompiles = len(graphs) - len(frames)
         notes.append(f"dynamo: {len(graphs)} graph(s) captured over {len(frames)} frame(s); "
                      f"{recompiles} recompile(s) (a guard failed: another mode, shape, keyword signature, "

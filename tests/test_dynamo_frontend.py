@@ -1,0 +1,130 @@
+"""The Dynamo frontend itself: graphs, names, state, many modules of one class, a real HF model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxdebug
+from fxdebug.errors import UsageError
+from fxdebug.passes import NaNCheck, StatCollector
+
+
+class MLP(nn.Module):
+    def __init__(self, d=4):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _dbg(model, x, **kw):
+    return fxdebug.instrument(model, [NaNCheck(mode="record"), StatCollector()], example_inputs=(x,),
+                              frontend="dynamo", **kw)
+
+
+def test_nodes_are_named_by_module_path_and_op():
+    dbg = _dbg(MLP(), torch.randn(2, 4))
+    dbg(torch.randn(2, 4))
+    names = [r["node"] for r in dbg.report().rows]
+    assert names == ["x", "fc1", "relu", "fc2"]
+    (part,) = dbg.parts().values()
+    assert isinstance(part, torch.fx.GraphModule)
+    # the model's parameters are read from the model (get_attr), not copied and not graph inputs
+    targets = {str(n.target) for n in part.graph.nodes if n.op == "get_attr"}
+    assert {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"} <= targets
+
+
+def test_shares_the_model_and_its_state_dict_keys():
+    model = MLP()
+    dbg = _dbg(model, torch.randn(2, 4))
+    assert list(dbg.state_dict()) == list(model.state_dict())
+    assert dbg.fc1 is model.fc1
+    model.fc1 = nn.Linear(4, 8)
+    assert dbg.fc1 is model.fc1  # no copy of _modules
+    x = torch.randn(2, 4)
+    assert torch.equal(dbg(x), model(x))
+
+
+def test_instrument_does_not_run_the_model_state_forward():
+    model = MLP()
+    dbg = _dbg(model, torch.randn(2, 4))
+    assert dbg.report().calls == 0  # the capturing call is not counted
+    assert len(dbg.parts()) == 1  # but the graph is known (where= was checked against it)
+
+
+def test_where_that_matches_nothing_is_refused():
+    with pytest.raises(UsageError):
+        fxdebug.instrument(MLP(), [StatCollector(where="nope*")], example_inputs=(torch.randn(2, 4),),
+                           frontend="dynamo")
+
+
+def test_many_modules_of_one_class_stay_instrumented():
+    # one shared backend: Dynamo's per-class cache is not exhausted after eight modules
+    x = torch.randn(2, 4)
+    dbgs = [_dbg(MLP(), x) for _ in range(12)]
+    for dbg in dbgs:
+        dbg(x)
+    assert all(dbg.report().row("fc1")["calls"] == 1 for dbg in dbgs)
+    # each module's graph counts only its own calls
+    dbgs[0](x)
+    assert dbgs[0].report().row("fc1")["calls"] == 2 and dbgs[1].report().row("fc1")["calls"] == 1
+
+
+def test_training_through_the_live_module_trains_the_model():
+    model = MLP()
+    ref = copy.deepcopy(model)
+    dbg = _dbg(model, torch.randn(2, 4))
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        for m, o in ((dbg, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_reset_and_to_module():
+    dbg = _dbg(MLP(), torch.randn(2, 4))
+    dbg(torch.randn(2, 4))
+    dbg.reset()
+    assert dbg.report().calls == 0
+    with pytest.raises(UsageError, match="symbolic"):
+        dbg.to_module()
+
+
+def test_deepcopy_is_a_live_module_over_a_copy():
+    model = MLP()
+    dbg = _dbg(model, torch.randn(2, 4))
+    other = copy.deepcopy(dbg)
+    assert other.fc1 is not model.fc1
+    x = torch.randn(2, 4)
+    assert torch.equal(other(x), model(x))
+
+
+def test_tiny_gpt2_with_labels_one_report():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 50, (2, 6))
+    dbg = fxdebug.instrument(model, [NaNCheck(mode="record"), StatCollector()], example_inputs={"input_ids": ids},
+                             frontend="dynamo")
+    assert dbg.trace_info.frontend == "dynamo"
+    out = dbg(input_ids=ids)
+    assert torch.equal(out.logits, model(input_ids=ids).logits)
+    loss = dbg(input_ids=ids, labels=ids).loss  # a Trainer step's signature: a graph break at the loss
+    assert torch.equal(loss, model(input_ids=ids, labels=ids).loss)
+    report = dbg.report()
+    assert report.calls == 2 and min(r["calls"] for r in report.rows) >= 1
+    rows = {r["node"]: r for r in report.rows}
+    assert rows["transformer_wte"]["module"] == "transformer.wte" and rows["transformer_wte"]["calls"] == 2
+    assert any(r["module"].startswith("transformer.h.0.attn") for r in report.rows)
+    assert report.first_nonfinite is None
