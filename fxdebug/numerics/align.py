@@ -37,7 +37,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -54,7 +54,7 @@ _SLICING = frozenset({"split", "split_with_sizes", "slice", "select", "unbind", 
 _FP = 32  # points of the sorted-value fingerprint
 _BIG = 1e100  # stands in for +-inf in fingerprints (squares stay finite)
 _HUGE = 1e30  # beyond this a value is a mask, not a number
-_MAX_PERM_DIMS = 6
+_MAX_PERM_DIMS = 4  # 24 orders per side; beyond, only the flat order is tried
 
 
 @dataclass(frozen=True)
@@ -79,9 +79,13 @@ class Divergence:
     op: str
 
     def __str__(self) -> str:
-        ref = f"{self.reference[0]} in {self.reference[1]!r}" if self.reference[0] else "nothing"
-        return (f"candidate {self.candidate[0]} ({self.op}) in {self.candidate[1]!r} first departs from the reference "
+        ref = f"{self.reference[0]} in {_where(self.reference[1])}" if self.reference[0] else "nothing"
+        return (f"candidate {self.candidate[0]} ({self.op}) in {_where(self.candidate[1])} first departs from the reference "
                 f"(counterpart {ref}): relative error {self.error:.3g}, noise floor {self.tolerance:.3g}")
+
+
+def _where(module: str | None) -> str:
+    return "the top-level forward" if module == "" else repr(module)
 
 
 @dataclass(frozen=True)
@@ -211,11 +215,17 @@ class _Matcher:
         if c.shape != r.shape and consider(fc, fr, LAYOUT):
             return best
         sample = torch.randperm(fc.numel(), generator=torch.Generator().manual_seed(0))[:64] if fc.numel() > 256 else None
+        same_shape = c.shape == r.shape
         for x, flat_other, x_is_c in ((r.squeeze(), fc, False), (c.squeeze(), fr, True)):
+            other_shape = c.shape if not x_is_c else r.shape
             if x.ndim < 2 or x.ndim > _MAX_PERM_DIMS:
                 continue
             for p in itertools.permutations(range(x.ndim)):
                 if p == tuple(range(x.ndim)):
+                    continue
+                if same_shape and any(x.shape[a] != x.shape[b] for a, b in enumerate(p)):
+                    continue  # in one shape, only dims of equal size trade places (k against k transposed)
+                if not _merge_or_split([x.shape[a] for a in p], other_shape):
                     continue
                 perm = x.permute(p).reshape(-1)
                 if sample is not None:
@@ -230,40 +240,43 @@ class _Matcher:
 
     # ----------------------------------------------------------------- search
     def direct(self, c: Op) -> _Match | None:
-        pool = self.by_numel.get(c.value.numel(), [])
-        if not pool or c.value.numel() == 0:
-            return None
+        """The reference op ``c`` reproduces in some layout: candidates by fingerprint, ordered by
+        the error of their sorted values (a lower bound of the error in any layout, so the search
+        stops once the next candidate cannot beat the best verified match)."""
         n = c.value.numel()
+        pool = self.by_numel.get(n, [])
+        if not pool or n == 0:
+            return None
         if n not in self.fp_stack:
             self.fp_stack[n] = torch.stack([self.R.fp(j) for j in pool])
         F = self.fp_stack[n]
-        fc = self.C.fp(c.index)
-        dist = torch.linalg.vector_norm(F - fc, dim=1)
-        scale = torch.linalg.vector_norm(F, dim=1)
-        found: list[tuple[tuple[int, float, float], _Match]] = []
+        ratio = (torch.linalg.vector_norm(F - self.C.fp(c.index), dim=1)
+                 / torch.linalg.vector_norm(F, dim=1).clamp_min(1e-300)).tolist()
         sc = self.C.sorted(c.index)
-        order = torch.argsort(dist / scale.clamp_min(1e-300))
-        tried = 0
-        for k in order.tolist():
-            j = pool[k]
+        bounds: list[tuple[float, int, float]] = []
+        for k, j in enumerate(pool):
             r = self.R.trace.ops[j]
             tol = self.tol(c, r)
-            slack = 4 * tol + 1e-12
-            if not float(dist[k]) <= slack * float(scale[k]) + self.atol * math.sqrt(_FP) + 1e-300 and float(dist[k]) > 0:
-                break  # sorted by distance: no further candidate passes
-            num, den, _ = _rel(sc, self.R.sorted(j))
-            if not self.ok(num, den, n, tol):
+            if ratio[k] > 4 * tol + 1e-12 and self.atol == 0:
                 continue
-            tried += 1
-            got = self.compare(self.C.value(c.index).reshape(c.value.shape), self.R.value(j).reshape(r.value.shape), tol)
-            if got is not None:
-                pos = abs(j / max(len(self.R.trace.ops), 1) - c.index / max(len(self.C.trace.ops), 1))
-                closeness = round(got[0] / tol, 1) if tol > 0 else 0.0
-                found.append(((_RANK[got[1]], closeness, r.layout_of is not None, pos), _Match((j,), got[1], got[0], tol)))
-                if got[0] == 0 and got[1] == SAME and r.layout_of is None and pos < 0.05:
-                    break
-            if tried >= 24:
+            num, den, err = _rel(sc, self.R.sorted(j))
+            if self.ok(num, den, n, tol):
+                bounds.append((err, j, tol))
+        bounds.sort()
+        found: list[tuple[tuple[int, float, bool, float], _Match]] = []
+        best = math.inf
+        cv = self.C.value(c.index).reshape(c.value.shape)
+        for tried, (bound, j, tol) in enumerate(bounds):
+            if bound > best * (1 + 1e-6) + 1e-300 or tried >= 24:
                 break
+            r = self.R.trace.ops[j]
+            got = self.compare(cv, self.R.value(j).reshape(r.value.shape), tol)
+            if got is None:
+                continue
+            best = min(best, got[0])
+            pos = abs(j / max(len(self.R.trace.ops), 1) - c.index / max(len(self.C.trace.ops), 1))
+            closeness = round(got[0] / tol, 1) if tol > 0 else 0.0
+            found.append(((_RANK[got[1]], closeness, r.layout_of is not None, pos), _Match((j,), got[1], got[0], tol)))
         if not found:
             return None
         return min(found, key=lambda f: f[0])[1]
@@ -416,7 +429,8 @@ class _Matcher:
 
     def counterpart(self, ci: int) -> tuple[int | None, float, float]:
         """The reference op where the reference side parts (``reference_entries``), preferring one
-        inside the reference module that ``ci``'s module corresponds to, then a float one; the error between the two
+        inside the reference module that ``ci``'s module corresponds to (of ``ci``'s size, else a float
+        one), then a float one; the error between the two
         (in the best layout, ``nan`` for ops of different sizes) and the floor."""
         C, R = self.C.trace, self.R.trace
         c = C.ops[ci]
@@ -424,7 +438,8 @@ class _Matcher:
         home = self.module_map(c.module)
         inside = [j for j in entries if home is not None and _within(R.ops[j].module, home)]
         floats = [j for j in entries if R.ops[j].value.is_floating_point()]  # an int position is rarely the culprit
-        pick = next(iter([j for j in inside if j in floats] + inside + floats + entries), None)
+        sized = [j for j in inside if R.ops[j].value.numel() == c.value.numel()]
+        pick = next(iter(sized + [j for j in inside if j in floats] + inside + floats + entries), None)
         if pick is None:
             return None, math.nan, self.tol(c, None)
         r = R.ops[pick]
@@ -433,6 +448,30 @@ class _Matcher:
             return pick, math.nan, tol
         got = self.compare(self.C.value(ci).reshape(c.value.shape), self.R.value(pick).reshape(r.value.shape), tol, need=False)
         return pick, (got[0] if got is not None else math.nan), tol
+
+
+def _merge_or_split(a: Sequence[int], b: Sequence[int]) -> bool:
+    """Whether shape ``b`` comes from shape ``a`` by merging runs of dims or splitting dims (what
+    ``view``/``reshape`` do in real code): between consecutive element counts the two prefix
+    products share, one side has a single dim."""
+    def prefixes(shape: Sequence[int]) -> list[int]:
+        out, acc = [], 1
+        for d in shape:
+            if d != 1:
+                acc *= d
+                out.append(acc)
+        return out
+
+    pa, pb = prefixes(a), prefixes(b)
+    common = sorted(set(pa) & set(pb))
+    prev = 1
+    for cur in common:
+        na = sum(1 for v in pa if prev < v <= cur)
+        nb = sum(1 for v in pb if prev < v <= cur)
+        if min(na, nb) != 1:
+            return False
+        prev = cur
+    return bool(common) and common[-1] == (pa[-1] if pa else 1)
 
 
 def _within(module: str, path: str) -> bool:

@@ -36,6 +36,8 @@ LAYOUT_OPS = frozenset({
     "contiguous", "alias", "detach", "lift_fresh", "lift_fresh_copy", "view_as", "flatten", "movedim",
     "as_strided", "_reshape_alias", "unflatten",
 })
+# ... and these when their output has as many elements as their first input (no broadcast, full slice)
+_LAYOUT_IF_SAME_SIZE = frozenset({"expand", "slice", "cat", "narrow", "repeat", "expand_as"})
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
@@ -118,7 +120,8 @@ class _Recorder(TorchDispatchMode):
             self.counts[op_name] += 1
             name = op_name if k == 0 else f"{op_name}_{k}"
             layout = None
-            if op_name in LAYOUT_OPS and ins and id(ins[0]) in self.producer and ins[0].numel() == t.numel():
+            if (op_name in LAYOUT_OPS or op_name in _LAYOUT_IF_SAME_SIZE) and ins and id(ins[0]) in self.producer \
+                    and ins[0].numel() == t.numel():
                 layout = self.producer[id(ins[0])]
             elif op_name == "_to_copy" and ins and id(ins[0]) in self.producer and ins[0].dtype == t.dtype:
                 layout = self.producer[id(ins[0])]
