@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
 import fxdebug
 from .derived import mark_derived
 from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, node_values, replace_pattern
+from fxdebug.authoring import node_meta
 
 __all__ = ["Fuse", "fold_batchnorm"]
 
@@ -106,9 +107,11 @@ class Fuse(Pass):
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         notes: list[str] = []
         replaced: dict[str, str] = {}
-        patterns = _patterns()
-        found = [m for p in patterns for m in find_pattern(gm, p, where=self.where)]
+        by_pattern = [(p, find_pattern(gm, p, where=self.where)) for p in _patterns()]  # matched once
+        found = [m for _, ms in by_pattern for m in ms]
+        aten = _aten_pairs(gm, ctx) if not found else []
         wanted = [n for m in found if not m.blocked for n in (m.inputs[0], m.anchor)]
+        wanted += [n for layer, bn in aten for n in (layer.args[0], bn) if isinstance(n, Node)]
         values = node_values(gm, ctx, wanted) if ctx.inputs is not None and wanted else {}
         if ctx.inputs is None:
             notes.append("no example inputs: fused layers were not checked numerically.")
@@ -128,8 +131,10 @@ class Fuse(Pass):
             infos[match.anchor.name] = info
             return fused
 
-        for pattern in patterns:
-            for rep in replace_pattern(gm, pattern, build=build, ctx=ctx, where=self.where):
+        for layer_node, bn_node in aten:
+            self._fuse_aten(gm, ctx, layer_node, bn_node, values, replaced, notes)
+        for pattern, matches in by_pattern:
+            for rep in replace_pattern(gm, pattern, build=build, ctx=ctx, where=self.where, matches=matches):
                 info = infos[rep.match.anchor.name]
                 ctx.record(rep.output, info, stands_for=info["layer"])
                 replaced[rep.match.anchor.name] = rep.output.name
@@ -139,8 +144,39 @@ class Fuse(Pass):
         notes.extend(f"left {m.describe()} alone: {m.blocked}" for m in found if m.blocked)
         return PassResult(gm, replaced=replaced, notes=notes)
 
+    def _fuse_aten(self, gm: GraphModule, ctx: PassContext, layer_node: Node, bn_node: Node,
+                   values: dict[str, Any], replaced: dict[str, str], notes: list[str]) -> None:
+        """An export graph's ``aten.conv*/linear`` → ``aten.batch_norm``: one call of the folded layer."""
+        weight, x = layer_node.args[1], layer_node.args[0]
+        assert isinstance(weight, Node) and isinstance(x, Node)
+        path = str(weight.target).rpartition(".")[0]
+        layer, bn = gm.get_submodule(path), _bn_module(gm, bn_node)
+        pair = f"{describe(layer_node)} + {describe(bn_node)}"
+        reason = _aten_why_not(layer_node, bn_node, layer, bn)
+        if reason:
+            notes.append(f"left {pair} alone: {reason}")
+            return
+        fused = self.fold(layer, bn)
+        info: dict[str, Any] = {"from": [layer_node.name, bn_node.name], "layer": path}
+        if values:
+            info["max_abs_diff"] = self._compare(fused, values[x.name], values[bn_node.name], pair, bn_node.name,
+                                                 type(layer).__name__)
+        reads = [a for a in (*layer_node.args, *bn_node.args) if isinstance(a, Node) and a.op == "get_attr"]
+        new = ctx.replace_with_module(bn_node, fused, (x,))
+        gm.graph.erase_node(layer_node)
+        for read in reads:  # the pair's parameter reads, now unused: the fused layer owns its weights
+            if not read.users:
+                gm.graph.erase_node(read)
+        ctx.record(new, info, stands_for=path)
+        replaced[bn_node.name] = replaced[layer_node.name] = new.name
+        diff = f": max |diff| {info['max_abs_diff']:.2e}" if "max_abs_diff" in info else ""
+        notes.append(f"fused {pair} into {new.name}{diff}.")
+
     def _check(self, fused: nn.Module, match: Match, values: dict[str, Any]) -> float:
-        x, ref = values[match.inputs[0].name], values[match.anchor.name]
+        return self._compare(fused, values[match.inputs[0].name], values[match.anchor.name], match.describe(),
+                             match.anchor.name, type(match.modules()[0]).__name__)
+
+    def _compare(self, fused: nn.Module, x: Any, ref: Any, pair: str, node: str, op: str) -> float:
         with torch.no_grad():
             out = fused(x)
         diff = (out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
@@ -150,8 +186,51 @@ class Fuse(Pass):
         tol = atol + rtol * (ref.double().abs().max().item() if ref.numel() else 0.0)
         if not diff <= tol:
             raise PassError(
-                f"fuse: folding {match.describe()} changes the output by up to {diff:.3g} on the example inputs "
+                f"fuse: folding {pair} changes the output by up to {diff:.3g} on the example inputs "
                 f"(tolerance {tol:.3g}); the model was not changed. Exclude the pair with where=, or raise "
                 "Fuse(atol=..., rtol=...) if that difference is acceptable.",
-                node=match.anchor.name, pass_name=self.name, op=type(match.modules()[0]).__name__)
+                node=node, pass_name=self.name, op=op)
         return diff
+
+
+def _bn_module(gm: GraphModule, bn_node: Node) -> Any:
+    """The BatchNorm module whose running statistics an ``aten.batch_norm`` call reads."""
+    mean = bn_node.args[3] if len(bn_node.args) > 3 else None
+    if not isinstance(mean, Node) or mean.op != "get_attr":
+        return None
+    owner = gm.get_submodule(str(mean.target).rpartition(".")[0])
+    return owner if isinstance(owner, nn.modules.batchnorm._BatchNorm) else None
+
+
+def _aten_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]]:
+    """Export graphs: ``(aten conv/linear, aten.batch_norm)`` pairs (both selected) whose layer weight
+    is a module's parameter."""
+    selected = set(ctx.nodes(gm, ops=("call_function",)))
+    pairs = []
+    for bn in selected:
+        src = bn.args[0] if bn.args else None
+        if not fxdebug.is_batchnorm(bn, gm) or not isinstance(src, Node) or src not in selected:
+            continue
+        if not (fxdebug.is_conv(src, gm) or fxdebug.is_linear(src, gm)) or len(src.args) < 2:
+            continue
+        w = src.args[1]
+        if isinstance(w, Node) and w.op == "get_attr" and str(w.target).endswith(".weight"):
+            pairs.append((src, bn))
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(pairs, key=lambda p: order[p[1]])
+
+
+def _aten_why_not(layer_node: Node, bn_node: Node, layer: nn.Module, bn: Any) -> str | None:
+    if not isinstance(layer, (nn.modules.conv._ConvNd, nn.Linear)):
+        return f"the weight belongs to a {type(layer).__name__}, not a conv or linear layer."
+    if bn is None or bn.running_mean is None:
+        return "the batch-norm has no running statistics (track_running_stats=False)."
+    if bn.training or (len(bn_node.args) > 5 and bn_node.args[5] is True):
+        return "the batch-norm is in training mode (it uses batch statistics); call model.eval() first."
+    if len(layer_node.users) != 1:
+        users = ", ".join(u.name for u in layer_node.users)
+        return f"{layer_node.name} feeds {len(layer_node.users)} users ({users}); fusion needs exactly one."
+    shape = node_meta(layer_node).shape
+    if isinstance(layer, nn.Linear) and shape is not None and len(shape) != 2:
+        return "the linear output is not 2-d, so BatchNorm1d does not normalise its features."
+    return None

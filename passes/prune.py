@@ -34,7 +34,7 @@ from fxdebug.authoring import node_meta
 from .derived import mark_derived
 from .prune_groups import channel_groups
 
-__all__ = ["Masked", "PruneMasks", "sparsity", "unmask"]
+__all__ = ["Masked", "MaskedValue", "PruneMasks", "sparsity", "unmask"]
 
 
 class Masked(nn.Module):
@@ -61,6 +61,22 @@ class Masked(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer={self.path!r}, sparsity={1 - self.mask('weight').float().mean().item():.3f}" if "weight" in self.names else f"layer={self.path!r}"
+
+
+class MaskedValue(nn.Module):
+    """Multiplies one parameter as an export (aten-level) graph reads it (a ``get_attr``) by a fixed
+    0/1 mask: the aten op then computes with the masked weight, the model keeps its own."""
+
+    def __init__(self, path: str, name: str, mask: Tensor) -> None:
+        super().__init__()
+        self.path, self.name = path, name
+        self.register_buffer("mask_value", mask, persistent=False)
+
+    def forward(self, value: Tensor) -> Tensor:
+        return value * self.mask_value
+
+    def extra_repr(self) -> str:
+        return f"{self.path}.{self.name}, sparsity={1 - self.mask_value.float().mean().item():.3f}"
 
 
 def _bake(layer: nn.Module, masks: dict[str, Tensor]) -> nn.Module:
@@ -123,6 +139,40 @@ class PruneMasks(Pass):
         self.prune_outputs = bool(prune_outputs)
 
     # -- what to prune --------------------------------------------------------------------------
+    def _aten_layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, tuple[nn.Module, dict[str, Node]]]:
+        """Export graphs: ``{layer path: (layer, {"weight": get_attr node, "bias": ...})}`` of the aten
+        conv / linear calls whose weight is a parameter of a Conv / Linear module of the model."""
+        found: dict[str, tuple[nn.Module, dict[str, Node]]] = {}
+        for node in ctx.nodes(gm, self.where, ops=("call_function",)):
+            if not (is_conv(node, gm) or is_linear(node, gm)) or len(node.args) < 2:
+                continue
+            w = node.args[1]
+            if not isinstance(w, Node) or w.op != "get_attr" or not str(w.target).endswith(".weight"):
+                continue
+            path = str(w.target).rpartition(".")[0]
+            layer = gm.get_submodule(path)
+            if not isinstance(layer, (nn.modules.conv._ConvNd, nn.Linear)):
+                continue
+            reads = {"weight": w}
+            b = node.args[2] if len(node.args) > 2 else None
+            if isinstance(b, Node) and b.op == "get_attr" and str(b.target) == f"{path}.bias":
+                reads["bias"] = b
+            found.setdefault(path, (layer, reads))
+        return found
+
+    def _refuse_export(self, gm: GraphModule, found: dict[str, Any]) -> None:
+        """What this pass cannot do on an export graph yet, said before anything changes."""
+        why = ("structured=\"channels\" (coupled channel groups are found on module calls)" if self.structured else
+               "bake=True" if self.bake else
+               f"importance=\"{self.importance}\" (layer activations are read at module calls)"
+               if self.importance == "activation" else None)
+        if why is not None:
+            raise PassError(
+                f"PruneMasks: {type(gm).__name__} is an export (aten-level) graph ({len(found)} aten conv/linear "
+                f"layer(s), e.g. {next(iter(found))}); on such graphs PruneMasks masks single weights only, not "
+                f"{why}. Use structured=False, bake=False and importance=\"magnitude\" or \"grad\" here, or capture "
+                "with frontend=\"symbolic\" (or \"subtrees\") for module-level graphs.", pass_name=self.name)
+
     def _layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, nn.Module]:
         layers: dict[str, nn.Module] = {}
         for node in ctx.nodes(gm, self.where, ops=("call_module",)):
@@ -269,6 +319,10 @@ class PruneMasks(Pass):
         layers = self._layers(gm, ctx)
         notes: list[str] = []
         if not layers:
+            aten = self._aten_layers(gm, ctx)
+            if aten:
+                self._refuse_export(gm, aten)
+                return self._mask_reads(gm, ctx, aten)
             return PassResult(gm, notes=["no conv or linear layers selected; nothing pruned."])
         masks = self._structured(gm, ctx, layers, notes) if self.structured else self._unstructured(gm, ctx, layers)
         replaced: dict[str, str] = {}
@@ -292,6 +346,26 @@ class PruneMasks(Pass):
             notes.append(f"{path}: {s:.1%} of weights masked.")
         notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
         return PassResult(gm, replaced=replaced, notes=notes)
+
+
+    def _mask_reads(self, gm: GraphModule, ctx: PassContext,
+                    aten: dict[str, tuple[nn.Module, dict[str, Node]]]) -> PassResult:
+        """Export graphs: every read of a pruned weight goes through a ``MaskedValue``."""
+        layers = {p: layer for p, (layer, _) in aten.items()}
+        masks = self._unstructured(gm, ctx, layers)
+        added: list[Node] = []
+        for path, layer_masks in masks.items():
+            w = layer_masks["weight"]
+            info = {"layer": path, "sparsity": 1.0 - float(w.float().mean()), "masked": int((w == 0).sum()),
+                    "weights": w.numel(), "baked": False}
+            read = aten[path][1]["weight"]
+            new = ctx.insert_after(read, MaskedValue(path, "weight", w), rewire=True, hint=f"masked_{path}")
+            ctx.record(new, info, stands_for=path)
+            added.append(new)
+        stats = sparsity(gm)
+        notes = [f"{p}: {s:.1%} of weights masked." for p, s in stats["layers"].items()]
+        notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
+        return PassResult(gm, added=added, notes=notes)
 
 
 def output_layers(gm: GraphModule, layers: set[str]) -> set[str]:
@@ -324,6 +398,8 @@ def _zero_channels(layer: nn.Module, w: Tensor) -> list[int]:
 
 
 def _masks_of(module: nn.Module) -> dict[str, Tensor] | None:
+    if isinstance(module, MaskedValue):
+        return {module.name: module.mask_value}
     if isinstance(module, Masked):
         return {n: module.mask(n) for n in module.names}
     return getattr(module, "_fxdebug_masks", None)
@@ -354,8 +430,12 @@ def sparsity(gm: GraphModule) -> dict[str, Any]:
 
 def unmask(gm: GraphModule) -> GraphModule:
     """Undo graph masks: every masked call calls its original layer again (in place on ``gm``)."""
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         mod = get_module(gm, node)
+        if isinstance(mod, MaskedValue):  # an export graph's masked weight read
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            continue
         if isinstance(mod, Masked):
             node.target = mod.path
             meta = node_meta(node)

@@ -161,3 +161,23 @@ def test_fused_layers_keep_the_models_state_dict_keys():
     loaded = torch.load(buf, weights_only=False)
     assert list(loaded.state_dict()) == list(model.state_dict())
     assert torch.equal(loaded(x), dbg(x))
+
+
+def test_export_graphs_are_fused_too():
+    """B3: an export (aten-level) graph's aten.conv2d → aten.batch_norm and aten.linear → batch_norm
+    pairs are folded like module pairs, instead of being left alone without a word."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 16),
+                          nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).eval()
+    for bn in (model[1], model[5]):
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,), frontend="export")
+    assert dbg.trace_info.frontend == "export"
+    fused = [n for n in dbg.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms]
+    assert [fxdebug.authoring.node_meta(n).stands_for for n in fused] == ["0", "4"]
+    assert not [n for n in dbg.graph.nodes if fxdebug.is_batchnorm(n, dbg)]
+    dbg.graph.lint()
+    torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dbg.to_module()(x), model(x), atol=1e-5, rtol=1e-5)

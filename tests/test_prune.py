@@ -190,3 +190,23 @@ def test_baked_masks_keep_the_models_state_dict_keys(structured):
     model.load_state_dict(dbg.state_dict())
     dbg.load_state_dict(model.state_dict())
     assert any(p.requires_grad for n, p in dbg.named_parameters() if n.startswith("fxdebug."))  # the copies train
+
+
+def test_export_graphs_are_masked_like_module_graphs_or_refused_clearly():
+    """B3: on an export (aten-level) graph PruneMasks masks the weights the aten ops read (the same
+    masks as on the symbolic graph); what it cannot do there yet it refuses, naming the way out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 16), nn.ReLU(),
+                          nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 3, 8, 8)
+    sym = fxdebug.instrument(model, [PruneMasks(0.5)], example_inputs=(x,))
+    exp = fxdebug.instrument(model, [PruneMasks(0.5)], example_inputs=(x,), frontend="export")
+    assert exp.trace_info.frontend == "export"
+    masked = {fxdebug.authoring.node_meta(n).stands_for: fxdebug.authoring.node_meta(n).transforms["prune-masks"]
+              for n in exp.graph.nodes if "prune-masks" in fxdebug.authoring.node_meta(n).transforms}
+    assert set(masked) == {"0", "3", "5"} and all(info["masked"] > 0 for info in masked.values())
+    torch.testing.assert_close(exp(x), sym(x))
+    torch.testing.assert_close(exp.to_module()(x), sym(x))
+    assert torch.equal(model[0].weight, sym.get_submodule("0").weight)  # the model keeps its weights
+    with pytest.raises(fxdebug.PassError, match="export .*structured=\"channels\".*frontend=\"symbolic\""):
+        fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,), frontend="export")

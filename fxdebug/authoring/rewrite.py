@@ -235,8 +235,12 @@ def replace_pattern(
     build: Callable[[Match], nn.Module | Callable[..., Any] | None] | None = None,
     ctx: PassContext | None = None,
     where: Where = None,
+    matches: Sequence[Match] | None = None,
 ) -> list[Replacement]:
     """Replace every unblocked occurrence of ``pattern`` and return what was rewritten.
+
+    ``matches``: the occurrences a pass already found with ``find_pattern`` (to read values or
+    report blocked pairs first), so the graph is matched once; by default it is matched here.
 
     Give either ``replacement`` (a module — copied for each match — or a function, traced and
     inlined; it receives the pattern's inputs in order) or ``build(match)``, which returns the
@@ -253,7 +257,7 @@ def replace_pattern(
     ctx = ctx if ctx is not None else PassContext()
     done: list[Replacement] = []
     moved: dict[Node, Node] = {}  # anchor of an earlier replacement -> the node that replaced it
-    for match in find_pattern(gm, pattern, where=where):
+    for match in find_pattern(gm, pattern, where=where) if matches is None else matches:
         if match.blocked or any(n in moved for n in match.nodes):
             continue
         # a chain (linear -> bn -> linear -> bn): this match may read an anchor replaced just before
