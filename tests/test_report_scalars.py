@@ -25,10 +25,10 @@ class Net(nn.Module):
         return self.fc3(torch.log(self.fc2(self.act(self.fc1(x)))))
 
 
-def _dbg(grads: bool = False) -> fxdebug.Instrumented:
+def _dbg(grads: bool = False, **options: str) -> fxdebug.Instrumented:
     torch.manual_seed(0)
     x = torch.randn(3, 4)
-    return fxdebug.instrument(Net(), [NaNCheck(), StatCollector(grads=grads)], example_inputs=(x,))
+    return fxdebug.instrument(Net(), [NaNCheck(), StatCollector(grads=grads)], example_inputs=(x,), **options)
 
 
 def _per_node(values: dict[str, float], prefix: str = "fxdebug/") -> list[str]:
@@ -99,7 +99,7 @@ def test_report_mimebundle_has_text_and_an_html_table_without_script():
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
 def test_instrumented_module_shows_an_inline_static_svg():
-    dbg = _dbg()
+    dbg = _dbg(frontend="symbolic")
     dbg(torch.randn(3, 4))
     bundle = dbg._repr_mimebundle_()
     svg = bundle["image/svg+xml"]
