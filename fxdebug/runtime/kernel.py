@@ -16,6 +16,10 @@ default when triton imports, else the pure-torch path. ``active(device_type)`` s
 observes tensors of a device type (the report's notes say it too); ``use(name)`` switches the CPU
 (and CUDA) kernel for a block of code, in process (tests and benchmarks).
 
+Under torch.compile the op is not an opaque call: its ``Functionalize`` kernel (``functional.py``)
+expresses it as aten reductions that Inductor fuses into the producing kernel
+(``FXDEBUG_OPAQUE_COMPILE=1`` keeps the extern call, for comparison).
+
 ``FXDEBUG_NO_KERNEL=1`` skips the build (forces the fallback); ``FXDEBUG_VERBOSE_BUILD=1`` shows
 the compiler's output. The build's name is keyed by a hash of the C++ source, the compiler flags
 and the torch version, so checkouts with different sources or torch builds never rebuild over
@@ -161,6 +165,13 @@ def load() -> str:
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
+        if not os.environ.get("FXDEBUG_OPAQUE_COMPILE"):
+            # Under torch.compile / export the op becomes aten reductions (functional.py): Inductor
+            # fuses them into the producer's kernel instead of calling the op as an extern.
+            from fxdebug.runtime.functional import observe_functional, observe_many_functional
+
+            lib.impl("observe", observe_functional, "Functionalize")
+            lib.impl("observe_many", observe_many_functional, "Functionalize")
         cpu = "c++" if have else "torch"
         if want in ("triton", "torch"):
             problem = _triton_problem("cpu") if want == "triton" else None
