@@ -172,6 +172,14 @@ def test_runs_leave_the_models_as_they_were():
     assert torch.equal(rng, torch.get_rng_state())
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in cand.modules())
 
+    class InPlace(nn.Module):  # writes into its input
+        def forward(self, x):
+            return x.mul_(2).sum(1)
+
+    x = torch.ones(2, 3)
+    assert fxdebug.align(InPlace(), InPlace(), (x,)).first_divergent is None
+    assert torch.equal(x, torch.ones(2, 3))
+
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz not installed")
 def test_render_colours_both_graphs(tmp_path):

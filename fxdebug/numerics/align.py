@@ -18,10 +18,15 @@ op's output and the module that ran it) and matches the two recordings by value,
    consumers are matched slices of it — is ``"fused (slices match)"``. Views and copies inherit
    their input's match.
 3. **The first divergence** is the earliest candidate op with no match whose effect reaches the
-   output through ops with no match either — an op the reference merely computes differently
-   (eager softmax inside SDPA) is followed by matched ops again and is no divergence. Its
-   reference counterpart is the closest unmatched reference op of equal size after the ops both
-   runs still agreed on.
+   output through ops with no match either, and that reads agreed values (a matched op, a
+   parameter or an input) — an op the reference merely computes differently (eager softmax inside
+   SDPA) is followed by matched ops again and is no divergence, so there is none exactly when the
+   outputs agree. Its reference counterpart is the reference's own first op that nothing in the
+   candidate reproduces (same rule, mirrored), looked for first inside the reference module that
+   the candidate op's module corresponds to (where that module's matched ops matched).
+
+Masking values (``|x| >= 1e30``: ``finfo.min`` added to a score) count as ``±inf``, so a mask
+written with ``-inf`` and one written with the dtype's lowest number agree.
 
 The tolerance is a **dtype-aware noise floor**: the precision each run was *set up* with (its
 float parameters, float inputs and any autocast dtype, see ``align_record``) — the coarser of the

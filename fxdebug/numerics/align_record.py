@@ -5,8 +5,8 @@ copy, so later in-place ops cannot change it), with the op, the module that ran 
 forward pre/post hooks on the model's submodules, removed afterwards) and which earlier ops
 produced its inputs (by tensor identity). Recording at the dispatch level sees what really ran —
 inside SDPA or eager attention, fused or separate projections, renamed modules alike — and works
-on any model, traceable or not. The model is run in eval mode and its training flags, buffers,
-Python state and random streams are put back afterwards.
+on any model, traceable or not. The model is run in eval mode on copies of the inputs, and its
+training flags, buffers, Python state and random streams are put back afterwards.
 
 The run's *precision* (``Trace.eps``) is what it was set up with: the narrowest of its float
 parameters, its float inputs and the autocast dtype in force when it ran (at the call, or entered
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxdebug.graph.inputs import normalize_inputs, preserved_state
+from fxdebug.graph.inputs import clone_inputs, normalize_inputs, preserved_state
 
 __all__ = ["LAYOUT_OPS", "Op", "Trace", "record"]
 
@@ -180,7 +180,7 @@ def _eval(model: nn.Module) -> Iterator[None]:
 def record(model: nn.Module, example_inputs: Any) -> Trace:
     """Run ``model`` once on ``example_inputs`` and record every op (see the module docstring)."""
     call = normalize_inputs(example_inputs)
-    args, kwargs = call if call is not None else ((), {})
+    args, kwargs = clone_inputs(call if call is not None else ((), {}))  # a forward may write into its inputs
     rec = _Recorder()
     autocast_at_call = _autocast_dtype()
     with preserved_state(model), _eval(model), torch.no_grad(), _module_stack(model, rec), rec:
