@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import Pass, PassContext, PassError, PassResult, UsageError, fx_meta, is_inplace, is_relu, module_path, op_label
+from fxdebug import Pass, PassContext, PassError, PassResult, UsageError, is_inplace, is_relu, module_path, op_label
+from fxdebug.authoring import node_meta
 
 __all__ = ["SwapActivation"]
 
@@ -93,45 +95,39 @@ class SwapActivation(Pass):
                 f"SwapActivation(only_dead={self.only_dead}) needs dead fractions from an earlier StatCollector run: "
                 "instrument with StatCollector(), run data through it, then instrument that module again "
                 "(its report becomes the prior report) or pass report=dbg.report().", pass_name=self.name)
-        replaced: dict[str, str] = {}
         notes: list[str] = []
-        for node in ctx.nodes(gm, self.where, predicate=lambda n: is_relu(n, gm)):
+
+        def swap(node: Node, ctx: PassContext) -> Node | None:
             dead = _dead_frac(report, node) if report is not None else None
-            if self.only_dead is not None:
-                if dead is None:
-                    notes.append(f"kept {node.name}: the report has no dead fraction for it.")
-                    continue
-                if dead < self.only_dead:
-                    notes.append(f"kept {node.name}: dead fraction {dead:.2f} < {self.only_dead}.")
-                    continue
-            new = self._swap(gm, ctx, node)
-            info = {"from": op_label(node), "to": op_label(new) if new.op != "call_method" else "copy_"}
+            if self.only_dead is not None and (dead is None or dead < self.only_dead):
+                notes.append(f"kept {node.name}: " + ("the report has no dead fraction for it." if dead is None else
+                                                      f"dead fraction {dead:.2f} < {self.only_dead}."))
+                return None
+            new = self._replacement(gm, ctx, node)
+            info: dict[str, Any] = {"from": op_label(node), "to": op_label(new) if new.op == "call_module" else "copy_"}
             if dead is not None:
                 info["dead_frac"] = dead
             ctx.record(new, info)
-            replaced[node.name] = new.name
+            return new
+
+        replaced = self.rewrite(gm, ctx, swap, predicate=lambda n: is_relu(n, gm))
         if self.only_dead is not None:
             notes.insert(0, f"swapped {len(replaced)} ReLU(s) with dead fraction >= {self.only_dead}.")
         return PassResult(gm, replaced=replaced, notes=notes)
 
-    def _swap(self, gm: GraphModule, ctx: PassContext, node: Node) -> Node:
+    def _replacement(self, gm: GraphModule, ctx: PassContext, node: Node) -> Node:
+        """The new activation in ``node``'s place; in place where the ReLU's write into its input matters."""
         x = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("self"))
         keep_inplace = is_inplace(node, gm) and _inplace_matters(node)
         module = self._make(inplace=is_inplace(node, gm))
         if not keep_inplace or getattr(module, "inplace", False):
             new = ctx.replace_with_module(node, module, (x,))
             if keep_inplace and not new.users:
-                fx_meta(new)["keep_unused"] = True
+                node_meta(new).keep_unused = True
             return new
         # The activation cannot write in place: compute it, then copy the result into the input.
         act = ctx.insert_after(node, module, (x,), hint=f"{node.name}")
         ctx.copy_meta(node, act)
-        fx_meta(act)["module_type"] = type(module).__name__
-        with node.graph.inserting_after(act):
-            copy_node = node.graph.call_method("copy_", (x, act))
-        ctx.copy_meta(node, copy_node)
-        fx_meta(copy_node)["replaced"] = f"{op_label(node)} ({node.name})"
-        fx_meta(copy_node)["keep_unused"] = True
-        node.replace_all_uses_with(copy_node)
-        node.graph.erase_node(node)
-        return copy_node
+        write = ctx.replace(node, ctx.insert_after(act, torch.Tensor.copy_, (x, act)))
+        node_meta(write).keep_unused = True
+        return write

@@ -7,7 +7,7 @@ It is a thin front over four single-purpose modules, so a pass needs one object:
   pass changed the graph);
 * selection — ``nodes()``, limited by the running pass's ``where=`` (``select.py``);
 * graph edits with provenance — ``insert_after``, ``insert_before``, ``replace_with_module``,
-  ``add_module``, ``copy_meta`` (``edits.py``);
+  ``replace``, ``add_module``, ``copy_meta``, ``record`` (``graph/edits.py``, ``NodeMeta``);
 * observation — ``observe()`` attaches a probe, ``clock()`` (``observation.py``).
 
 The running pass reaches the context one way: the manager enters ``running(name, where)`` around
@@ -219,6 +219,11 @@ class PassContext:
         Users are rewired, metadata (module path, source line) carried over, the node erased.
         """
         return edits.replace_with_module(node, module, args, pass_name=self.current_pass)
+
+    def replace(self, node: Node, new: Node) -> Node:
+        """Put ``new`` (already inserted) in ``node``'s place: users rewired, metadata carried over
+        (``replaced`` names the old node), ``node`` erased once nothing reads it."""
+        return edits.replace(node, new, pass_name=self.current_pass)
 
     def copy_meta(self, old: Node, new: Node) -> None:
         """Carry fxdebug's metadata from ``old`` to ``new``, marking the change."""

@@ -86,6 +86,20 @@ class Pass:
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:  # pragma: no cover - abstract
         raise NotImplementedError(f"pass {self.name!r} does not implement run(gm, ctx)")
 
+    def rewrite(self, gm: GraphModule, ctx: PassContext, rule: Callable[[Node, PassContext], Node | None], *,
+                predicate: Callable[[Node], bool] | None = None) -> dict[str, str]:
+        """Apply the local rewrite ``rule(node, ctx)`` once to each node the pass selects (and
+        ``predicate`` accepts): it returns the replacement node, or ``None`` for "no match".
+        Returns ``{old name: new name}`` for ``PassResult(replaced=...)``."""
+        replaced: dict[str, str] = {}
+        for node in ctx.nodes(gm, self.where, predicate=predicate):
+            if node.graph is not gm.graph or getattr(node, "_erased", False):
+                continue  # an earlier rewrite took it away
+            new = rule(node, ctx)
+            if new is not None and new is not node:
+                replaced[node.name] = new.name if isinstance(new, Node) else str(new)
+        return replaced
+
     def __repr__(self) -> str:
         opts = {k: v for k, v in vars(self).items() if not k.startswith("_") and v is not None}
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in opts.items())})"
@@ -108,15 +122,8 @@ class _FunctionPass(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:
         if not self._per_node:
-            return self._fn(gm, ctx)
-        replaced: dict[str, str] = {}
-        for node in ctx.nodes(gm, self.where):
-            if node.graph is not gm.graph or node not in gm.graph.nodes:
-                continue
-            new = self._fn(node, ctx)
-            if new is not None and new is not node:
-                replaced[node.name] = new.name if isinstance(new, Node) else str(new)
-        return PassResult(gm, replaced=replaced)
+            return self._fn(gm, ctx)  # type: ignore[no-any-return]
+        return PassResult(gm, replaced=self.rewrite(gm, ctx, self._fn))
 
     def __repr__(self) -> str:
         return f"<pass {self.name}>"

@@ -16,7 +16,7 @@ from torch.fx import GraphModule, Node
 from fxdebug.errors import UsageError
 from fxdebug.graph.meta import KEY, module_path, node_meta, op_label
 
-__all__ = ["NAMESPACE", "Target", "add_module", "copy_meta", "insert_after", "insert_before", "replace_with_module"]
+__all__ = ["NAMESPACE", "Target", "add_module", "copy_meta", "insert_after", "insert_before", "replace", "replace_with_module"]
 
 NAMESPACE = "fxdebug"  # root attribute under which fxdebug registers the modules it adds
 
@@ -114,6 +114,17 @@ def copy_meta(old: Node, new: Node, pass_name: str | None = None) -> None:
         meta.source = source
     if pass_name:
         meta.add_changed_by(pass_name)
+
+
+def replace(node: Node, new: Node, *, pass_name: str | None = None) -> Node:
+    """``new`` takes ``node``'s place: users rewired (``new`` itself may read ``node``), metadata
+    carried over with ``replaced`` set, ``node`` erased."""
+    copy_meta(node, new, pass_name)
+    node_meta(new).replaced = f"{op_label(node)} ({node.name})"
+    node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    if not node.users:
+        node.graph.erase_node(node)
+    return new
 
 
 def replace_with_module(node: Node, module: nn.Module, args: tuple[Any, ...] | None = None, *,
