@@ -19,7 +19,7 @@ def report():
     model, (x,) = ZOO["residual_cnn"]()
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)) for _ in range(2)]
-    dbg = fxdebug.instrument(model, [StatCollector(grads=True), ParamGrads()], example_inputs=(x,))
+    dbg = fxdebug.instrument(model, [StatCollector(grads=True), ParamGrads()], example_inputs=(x,), frontend="symbolic")
     return fxdebug.collect(dbg, batches, loss_fn=lambda out, b: F.cross_entropy(out, b[1]), progress=False)
 
 
@@ -75,3 +75,22 @@ def test_plots_say_what_is_missing(tmp_path):
         fxdebug.plot.activations(report, tmp_path / "a.jpeg")
     with pytest.raises(AttributeError, match="available"):
         fxdebug.plot.histogram  # noqa: B018
+
+
+def test_gradient_flow_draws_values_below_1e_12_where_they_are(tmp_path):
+    """B5: a gradient decaying to 1e-20 was drawn at the 1e-12 floor, hiding the decay."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(1e-9)
+        model[3].weight.mul_(1e-9)
+    dbg = fxdebug.instrument(model, [ParamGrads()], example_inputs=(torch.randn(2, 4),))
+    dbg(torch.randn(2, 4)).sum().backward()
+    plot = fxdebug.plot.gradient_flow(dbg.report(), tmp_path / "flow.png")
+    tiny = [v for v in plot.series["max_abs"] if v is not None and 0 < v < 1e-12]
+    assert tiny, plot.series  # the first layer's gradient went through two 1e-9 weights
+    ax = plot.figure.axes[0]
+    n = len(plot.nodes)
+    bars = [p.get_height() for p in ax.patches][:n]
+    assert bars == pytest.approx([v for v in plot.series["max_abs"]], rel=1e-6)
+    assert ax.get_ylim()[0] < min(tiny)  # the axis reaches below the smallest value

@@ -24,7 +24,7 @@ from fxdebug.runtime.columns import COLOR
 
 __all__ = ["Plot", "activations", "gradient_flow"]
 
-_FLOOR = 1e-12  # where zero gradients sit on the log axis
+_FLOOR = 1e-12  # the axis reaches at least this low (lower when a gradient is smaller)
 _FORMATS = ("png", "svg", "pdf")
 
 
@@ -104,15 +104,18 @@ def gradient_flow(report: Any, path: str | os.PathLike[str], *, vanishing: float
     ax = fig.add_subplot(1, 1, 1)
     xs = list(range(n))
 
+    finite = [v for v in maxes + means if v is not None and math.isfinite(v) and v > 0]
+    # the axis reaches below the smallest real value: a gradient of 1e-30 is drawn at 1e-30, so the
+    # decay the picture exists to show stays visible (zeros are marked, they have no log height)
+    bottom = min([_FLOOR * 10, lo / 100] + [v / 10 for v in finite])
+    top = max([hi * 100] + [v * 10 for v in finite])
+
     def draw(v: float | None) -> float:
-        return max(v, _FLOOR) if v is not None and math.isfinite(v) else _FLOOR
+        return v if v is not None and math.isfinite(v) and v > 0 else bottom
 
     ax.bar(xs, [draw(v) for v in maxes], width=0.8, color="#9ecae1", label="max |g|", zorder=2)
     ax.bar(xs, [draw(v) for v in means], width=0.45, color="#08519c", label="mean |g|", zorder=3)
     ax.set_yscale("log")
-    finite = [v for v in maxes + means if v is not None and math.isfinite(v) and v > 0]
-    bottom = min([_FLOOR * 10, lo / 100] + [v / 10 for v in finite])
-    top = max([hi * 100] + [v * 10 for v in finite])
     ax.set_ylim(bottom, top)
     zeros = [x for x, v in zip(xs, maxes) if v is not None and math.isfinite(v) and v <= 0]
     if zeros:  # a zero gradient has no bar on a log axis: mark it on the floor
