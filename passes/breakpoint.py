@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import fx_meta, is_instrumentation, module_path, op_label, source_line
+from fxdebug.authoring import GUARD, is_instrumentation, module_path, node_meta, op_label, source_line
 
 __all__ = ["Breakpoint", "BreakpointHit"]
 
@@ -117,8 +117,8 @@ class Breakpoint(fxdebug.Pass):
             call = _BreakpointCall(self, node.name, module_path(node), op_label(node),
                                    source_line(node), tuple(a.name for a in inputs))
             new = ctx.insert_after(node, call, (node, *inputs), hint=f"breakpoint_{node.name}")
-            meta = fx_meta(new)
-            meta["role"], meta["breaks_at"] = "guard", node.name
+            node_meta(new).watch(GUARD)
+            ctx.record(new, {"breaks_at": node.name})
             added.append(new)
         return PassResult(gm, added=added)
 

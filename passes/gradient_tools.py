@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import get_attr, node_meta
+from fxdebug.authoring import GUARD, get_attr, node_meta
 
 __all__ = ["Freeze", "GradientScale"]
 
@@ -102,11 +102,11 @@ class GradientScale(fxdebug.Pass):
                              "check the module path (e.g. fxdebug.outputs_of('layer2')).")
         for node in targets:
             hook = ctx.insert_after(node, _ScaleHook(self), (node,), hint=f"grad_scale_{node.name}")
-            meta = fxdebug.fx_meta(hook)
-            meta["keep_unused"] = True
-            meta["role"] = "guard"  # watches a value, computes none: not a node of the model
-            meta["scales"] = node.name
-            fxdebug.fx_meta(node).setdefault("notes", []).append(f"gradient scaled by {self.factor:g}")
+            meta = node_meta(hook)
+            meta.keep_unused = True
+            meta.watch(GUARD)  # watches a value, computes none: not a node of the model
+            ctx.record(hook, {"scales": node.name})
+            node_meta(node).notes = [*node_meta(node).notes, f"gradient scaled by {self.factor:g}"]
         return PassResult(gm, replaced={n.name: n.name for n in targets})
 
 
@@ -202,7 +202,7 @@ class Freeze(fxdebug.Pass):
                 if not self._selects(node, path or str(node.target)):
                     continue
                 new = ctx.insert_after(node, _FrozenValue(self), (node,), rewire=True, hint=f"frozen_{node.name}")
-                fxdebug.fx_meta(new)["module"] = path
+                node_meta(new).module = path
                 frozen.add(str(node.target))
                 changed.append(new.name)
         if not frozen:

@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Interpreter, Node
 import fxdebug
 from fxdebug import InplaceError, MissingInputsError, PassContext, PassResult, UsageError, Where
 from fxdebug.authoring import (
-    fx_meta, is_instrumentation, keep_state, matches, module_path, node_values, op_label, source_line,
+    GUARD, is_instrumentation, keep_state, matches, module_path, node_meta, node_values, op_label, source_line,
 )
 
 __all__ = ["InplaceCheck", "InplaceFinding"]
@@ -226,14 +226,16 @@ class InplaceCheck(fxdebug.Pass):
             del tracker, env
         added: list[Node] = []
         for (saver, mod), finding in zip(pairs, self.findings):
-            fx_meta(mod).setdefault("notes", []).append(f"inplace-check: {finding.message}")
+            node_meta(mod).notes = [*node_meta(mod).notes, f"inplace-check: {finding.message}"]
             if not self.raise_at_runtime or not matches(self.where, mod):
                 continue
             with gm.graph.inserting_before(mod):
                 guard = gm.graph.call_function(inplace_guard, (saver,), {
                     "message": finding.message, "node": mod.name, "module": finding.modified_by_module,
                     "op": finding.modified_by_op, "saved_by": saver.name})
-            meta = fx_meta(guard)
-            meta.update(role="guard", guards=mod.name, module=finding.modified_by_module, added_by=self.name)
+            meta = node_meta(guard)
+            meta.watch(GUARD)
+            ctx.record(guard, {"guards": mod.name})
+            meta.module, meta.added_by = finding.modified_by_module, self.name
             added.append(guard)
         return PassResult(gm, added=added, notes=[f.message for f in self.findings])

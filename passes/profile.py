@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import COLOR, HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug.authoring import GUARD, node_meta
 
 __all__ = ["Profile"]
 
@@ -209,8 +210,9 @@ class Profile(fxdebug.Pass):
                 start = gm.graph.call_module(name, deps, {})
             stop = ctx.insert_after(node, _Stop(timer), (start, node), hint=f"profile_end_{node.name}")
             for n in (start, stop):
-                meta = fxdebug.fx_meta(n)
-                meta["role"], meta["profiles"], meta["module"] = "guard", node.name, fxdebug.module_path(node)
-                meta["keep_unused"] = True
+                meta = node_meta(n)
+                meta.watch(GUARD)
+                ctx.record(n, {"times": node.name})
+                meta.module, meta.keep_unused = fxdebug.module_path(node), True
             added += [start, stop]
         return PassResult(gm, added=added)

@@ -33,7 +33,7 @@ def test_gradient_reversal_at_a_module_output(cnn):
     ref_out, ref = _grads(model, x)
     rev = GradientScale(fxdebug.outputs_of("layer2"), -1.0)
     dbg = fxdebug.instrument(model, [rev], example_inputs=(x,))
-    hooks = [fxdebug.fx_meta(n)["scales"] for n in dbg.graph.nodes if "scales" in fxdebug.fx_meta(n)]
+    hooks = [fxdebug.authoring.node_meta(n).transforms["gradient-scale"]["scales"] for n in dbg.graph.nodes if fxdebug.authoring.node_meta(n).added_by == "gradient-scale"]
     assert hooks == ["relu_3"]  # layer2's output, once
     out, got = _grads(model, x, dbg)
     assert torch.equal(out, ref_out)  # forward bitwise unchanged
@@ -46,7 +46,7 @@ def test_plain_module_where_scales_once_at_the_exit_not_per_op(cnn):
     model, x = cnn
     _, ref = _grads(model, x)
     dbg = fxdebug.instrument(model, [GradientScale("layer2", -1.0)], example_inputs=(x,))
-    assert [fxdebug.fx_meta(n)["scales"] for n in dbg.graph.nodes if "scales" in fxdebug.fx_meta(n)] == ["relu_3"]
+    assert [fxdebug.authoring.node_meta(n).transforms["gradient-scale"]["scales"] for n in dbg.graph.nodes if fxdebug.authoring.node_meta(n).added_by == "gradient-scale"] == ["relu_3"]
     _, got = _grads(model, x, dbg)
     torch.testing.assert_close(got["stem.0.weight"], -ref["stem.0.weight"], rtol=1e-5, atol=1e-7)
 
@@ -98,7 +98,7 @@ def test_reversal_on_other_zoo_models(name, where, flipped):
 def test_a_module_called_twice_has_both_outputs_scaled():
     model, (x,) = ZOO["shared_module"]()
     dbg = fxdebug.instrument(model, [GradientScale(fxdebug.outputs_of("block"), 0.0)], example_inputs=(x,))
-    assert sorted(fxdebug.fx_meta(n)["scales"] for n in dbg.graph.nodes if "scales" in fxdebug.fx_meta(n)) == \
+    assert sorted(fxdebug.authoring.node_meta(n).transforms["gradient-scale"]["scales"] for n in dbg.graph.nodes if fxdebug.authoring.node_meta(n).added_by == "gradient-scale") == \
         ["block_1", "block_3"]
     dbg(x).sum().backward()
     assert float(model.block[0].weight.grad.abs().max()) == 0.0 and float(model.out.weight.grad.abs().max()) > 0

@@ -94,7 +94,7 @@ def test_every_builtin_pass_accepts_outputs_of(name):
     assert y.shape == model(x).shape
     if name in OBSERVERS or name in ("Breakpoint", "GradientScale"):
         torch.testing.assert_close(y, model(x))
-    touched = {fxdebug.fx_meta(n).get("observes") or fxdebug.fx_meta(n).get("scales") for n in dbg.graph.nodes}
+    touched = {fxdebug.fx_meta(n).get("observes") or fxdebug.authoring.node_meta(n).transforms.get("gradient-scale", {}).get("scales") for n in dbg.graph.nodes}
     if name in ("StatCollector", "NaNCheck", "Histograms", "Shadow"):
         assert {r["node"] for r in dbg.report().rows} == {"relu", "relu_1"}
     if name == "GradientScale":
