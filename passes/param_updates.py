@@ -17,7 +17,7 @@ parameters together, plus ``param_updates``, each parameter's own by name — an
 ``Report.findings()`` gives ``kind="update_spike"`` where a parameter's factor reaches 10
 (``findings(update_spike=...)`` changes it). ``ParamUpdates(...).rows()`` lists every parameter
 the optimizer holds, keyed by name. Costs: one copy of the parameters in memory, and per step a
-copy, a subtraction and two norms over them.
+copy, an in-place subtraction and two norms over them.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class UpdateTable:
         self._state: dict[str, Tensor] | None = None
         self._before: list[Tensor] = []
         self._had_grad: list[bool] = []
+        self._weight_norms: list[Tensor] = []
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _fresh(self, device: torch.device) -> dict[str, Tensor]:
@@ -96,6 +97,7 @@ class UpdateTable:
         self._had_grad = [p.grad is not None for p in params]
         with torch.no_grad():
             torch._foreach_copy_(self._before, [p.detach() for p in params])
+            self._weight_norms = torch._foreach_norm(self._before, 2, dtype=torch.float32)  # while it is in cache
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.params:
@@ -105,10 +107,9 @@ class UpdateTable:
             self._state = self._fresh(device)
         s = self._state
         with torch.no_grad():
-            after = [p.detach() for p in self.params]
-            diff = torch._foreach_sub(after, self._before)
-            upd = torch.stack([n.to(device) for n in torch._foreach_norm(diff, 2, dtype=torch.float32)])
-            wn = torch.stack([n.to(device) for n in torch._foreach_norm(self._before, 2, dtype=torch.float32)])
+            torch._foreach_sub_(self._before, [p.detach() for p in self.params])  # in place: minus the update
+            upd = torch.stack([n.to(device) for n in torch._foreach_norm(self._before, 2, dtype=torch.float32)])
+            wn = torch.stack([n.to(device) for n in self._weight_norms])
             stepped = torch.tensor(self._had_grad, device=device) if device.type == "cpu" else \
                 torch.tensor(self._had_grad).to(device, non_blocking=True)
             ratio = torch.where(stepped & (wn > 0), upd / wn, torch.full_like(upd, float("nan")))

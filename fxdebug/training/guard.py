@@ -161,33 +161,39 @@ class Guard:
             self.steps += 1
             return loss
         device = params[0].device
-        bad = self._bad(params, device, scaler_inf)
-        fused = [g.get("fused") for g in self.optimizer.param_groups]
-        if all(fused):
-            self._fused_step(params, bad, scale)
-        elif not any(fused):
-            if scale is not None:  # grads are still scaled: unscale as GradScaler.unscale_ does
-                inv = scale.double().reciprocal().float()
-                torch._foreach_mul_([p.grad for p in params], inv.to(device))
-            self._restoring_step(params, bad, lambda: self.optimizer.step())
-        else:
+        fused = [bool(g.get("fused")) for g in self.optimizer.param_groups]
+        if any(fused) and not all(fused):
             raise UsageError("fxdebug.guard: the optimizer mixes fused and unfused parameter groups; give every group the "
                              "same fused= setting.")
+        # grads still scaled (GradScaler): a fused step unscales inside its kernel; else unscale here,
+        # as GradScaler.unscale_ does (same op, same inverse)
+        unscale = scale.double().reciprocal().float() if scale is not None and not all(fused) else None
+        bad = self._bad(params, device, scaler_inf, unscale)
+        if all(fused):
+            self._fused_step(params, bad, scale)
+        else:
+            self._restoring_step(params, bad, lambda: self.optimizer.step())
         self._count(bad)
         self.steps += 1
         return loss
 
-    def _bad(self, params: list[Tensor], device: torch.device, scaler_inf: Tensor | None) -> Tensor:
-        """0-d float32 on ``device``: 1.0 when this step must be skipped, else 0.0 (no sync)."""
+    def _bad(self, params: list[Tensor], device: torch.device, scaler_inf: Tensor | None,
+             unscale: Tensor | None = None) -> Tensor:
+        """0-d float32 on ``device``: 1.0 when this step must be skipped, else 0.0 (no sync).
+
+        Gradients are checked element by element with the op GradScaler uses
+        (``_amp_foreach_non_finite_check_and_unscale_``; exact, no sum that could overflow), which
+        multiplies them by ``unscale`` — 1.0 leaves them bitwise as they are."""
         flags = []
-        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        by_device: dict[torch.device, list[Tensor]] = {}
         for p in params:
             if p.grad.numel():
-                by_kind.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
-        for grads in by_kind.values():
-            # the max-abs norm: exact for any finite values (no sum to overflow), NaN/Inf propagate
-            peak = torch.stack(torch._foreach_norm(grads, float("inf"))).amax()
-            flags.append((~torch.isfinite(peak)).to(device=device, dtype=torch.float32, non_blocking=True))
+                by_device.setdefault(p.grad.device, []).append(p.grad)
+        for dev, grads in by_device.items():
+            found = torch.zeros(1, dtype=torch.float32, device=dev)
+            inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True).reshape(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+            flags.append(found.to(device, non_blocking=True).reshape(()))
         if scaler_inf is not None:
             flags.append(scaler_inf.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
         if self.dbg is not None:
@@ -198,6 +204,12 @@ class Guard:
             return torch.zeros((), dtype=torch.float32, device=device)
         bad = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         return (bad > 0).to(torch.float32)
+
+    def _ones(self, device: torch.device) -> Tensor:
+        ones = self.__dict__.setdefault("_one", {})
+        if device not in ones:
+            ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return ones[device]
 
     def _fused_step(self, params: list[Tensor], bad: Tensor, scale: Tensor | None) -> None:
         opt = self.optimizer
@@ -227,15 +239,19 @@ class Guard:
             torch._foreach_copy_(saved, [t.detach() for _, t in before])
         step()
         keep = bad > 0
+        on: dict[torch.device, Tensor] = {}
         with torch.no_grad():
             for (p, t), old in zip(before, saved):
-                t.copy_(torch.where(keep.to(t.device), old, t))
+                cond = on.get(t.device)
+                if cond is None:
+                    cond = on[t.device] = keep.to(t.device, non_blocking=True)
+                torch.where(cond, old, t.detach(), out=t.detach())  # in place: no new tensor per step
             for p in params:  # entries this step created: back to what they would start from
                 st = state.get(p, {})
                 for k, v in st.items():
                     if k not in keys[id(p)] and isinstance(v, Tensor):
                         init = torch.full_like(v, _INITIAL.get(k, 0.0))
-                        v.copy_(torch.where(keep.to(v.device), init, v))
+                        torch.where(keep.to(v.device), init, v.detach(), out=v.detach())
 
     def _buffer(self, t: Tensor) -> Tensor:
         buf = self._buffers.get(id(t))
