@@ -94,3 +94,68 @@ def test_gradient_flow_draws_values_below_1e_12_where_they_are(tmp_path):
     bars = [p.get_height() for p in ax.patches][:n]
     assert bars == pytest.approx(plot.series["max_abs"], rel=1e-6, abs=0)
     assert ax.get_ylim()[0] < min(tiny)  # the axis reaches below the smallest value
+
+
+class _TinyViT(torch.nn.Module):
+    """Patch embedding, a class token, then a token MLP: activations are (N, 1 + h*w, C)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 8, kernel_size=4, stride=4)
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 8))
+        self.mlp = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)  # (N, 16, 8)
+        tokens = torch.cat([self.cls.expand(x.shape[0], -1, -1), tokens], dim=1)
+        return self.mlp(tokens)
+
+
+def _images(result):  # type: ignore[no-untyped-def]
+    return [im for ax in result.figure.get_axes() for im in ax.get_images()]
+
+
+def test_feature_maps_lays_vit_tokens_back_on_the_patch_grid(tmp_path):
+    """B6: (N, T, C) tokens were drawn as T one-row strips of C 'channels'."""
+    from fxdebug.passes import Capture
+
+    torch.manual_seed(0)
+    model, x = _TinyViT(), torch.randn(2, 3, 16, 16)
+    dbg = fxdebug.instrument(model, [Capture(["mlp"])], example_inputs=(x,), frontend="symbolic")
+    out = dbg(x)
+    result = fxdebug.plot.feature_maps(dbg, "mlp", tmp_path / "tokens.png")
+    assert result.layout == "NTC" and result.channels == 8  # the channels are the last dim
+    first = _images(result)[0].get_array().data
+    assert first.shape == (4, 4)  # 16 patch tokens on a 4x4 grid, the class token dropped
+    torch.testing.assert_close(torch.as_tensor(first), out[0, 1:, 0].detach().reshape(4, 4))
+
+
+def test_feature_maps_reads_channels_last_maps(tmp_path):
+    """B6: Swin-style (N, H, W, C) maps were drawn as H 'channels' of W x C."""
+    from fxdebug.passes import Capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.LayerNorm(6))
+    x = torch.randn(2, 4, 4, 5)
+    dbg = fxdebug.instrument(model, [Capture(["1"])], example_inputs=(x,), frontend="symbolic")
+    out = dbg(x)
+    result = fxdebug.plot.feature_maps(dbg, "1", tmp_path / "swin.png")
+    assert result.layout == "NHWC" and result.channels == 6
+    images = _images(result)
+    assert len(images) == 6 and images[0].get_array().data.shape == (4, 4)
+    torch.testing.assert_close(torch.as_tensor(images[5].get_array().data), out[0, :, :, 5].detach())
+    # an explicit layout wins over detection
+    assert fxdebug.plot.feature_maps(dbg, "1", tmp_path / "as_nchw.png", layout="NCHW").channels == 4
+
+
+def test_feature_maps_draws_an_activation_only_capture(tmp_path):
+    """B6: a Capture without grads=True raised (asking for its gradient) instead of drawing."""
+    from fxdebug.passes import Capture
+
+    model, (x,) = ZOO["residual_cnn"]()
+    cap = Capture(["layer1"])
+    dbg = fxdebug.instrument(model, [cap], example_inputs=(x,), frontend="symbolic")
+    dbg(x)
+    result = fxdebug.plot.feature_maps(cap, "layer1", tmp_path / "acts.png")
+    assert not result.grad and result.channels == 8 and len(_images(result)) == 8
