@@ -224,3 +224,15 @@ def test_the_guard_keeps_the_optimizer_face() -> None:
     assert fxdebug.guard(g) is g
     with pytest.raises(fxdebug.UsageError, match="torch.optim.Optimizer"):
         fxdebug.guard(list(model.parameters()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["adamw-fused", "sgd"])
+def test_with_dbg_the_step_is_still_sync_free(kind: str) -> None:
+    data = batches(value=-100.0)
+    torch.manual_seed(0)
+    model = Net()
+    dbg = fxdebug.instrument(model, passes=[NaNCheck()], example_inputs=(data[0],))
+    g = fxdebug.guard(OPTIMIZERS[kind](model.parameters()), dbg=dbg)
+    syncs = [syncs_in_step(g, dbg, x) for x in data]
+    assert syncs == [0] * len(data)
+    assert int(g.skipped) == 1 and g.skipped_steps[0]["origin"] == "log"

@@ -67,6 +67,17 @@ class Guard:
     # reading found_inf on the host first: the guard folds them into its own device decision.
     _step_supports_amp_scaling = True
 
+    # set in __init__ through __dict__ (attribute writes go there directly; see __setattr__)
+    optimizer: torch.optim.Optimizer
+    dbg: Any
+    steps: int
+    _skipped: Tensor | None
+    _step_dev: Tensor | None
+    _log: Tensor | None
+    _origin_log: Tensor | None
+    _watch: dict[str, Any] | None
+    _buffers: dict[int, tuple[Tensor, Tensor]]
+
     def __init__(self, optimizer: torch.optim.Optimizer, dbg: Any = None) -> None:
         self.__dict__.update(optimizer=optimizer, dbg=dbg, steps=0, _skipped=None, _step_dev=None, _log=None,
                              _origin_log=None, _watch=None, _last_bad=None, _buffers={}, _device=None)
@@ -125,7 +136,7 @@ class Guard:
         skipped step (the first 4,096); reading it syncs once. ``origin`` is, with ``dbg=``, the
         first watched node that saw NaN/Inf in that step (forward; else where the bad gradient
         entered), ``None`` when only the gradients were non-finite."""
-        if self._skipped is None:
+        if self._skipped is None or self._log is None:
             return []
         n = min(int(self._skipped), _LOG)
         steps = self._log[:n].tolist()
@@ -187,8 +198,9 @@ class Guard:
         flags = []
         by_device: dict[torch.device, list[Tensor]] = {}
         for p in params:
-            if p.grad.numel():
-                by_device.setdefault(p.grad.device, []).append(p.grad)
+            grad = p.grad
+            if grad is not None and grad.numel():
+                by_device.setdefault(grad.device, []).append(grad)
         for dev, grads in by_device.items():
             found = torch.zeros(1, dtype=torch.float32, device=dev)
             inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True).reshape(1)
@@ -214,14 +226,16 @@ class Guard:
     def _fused_step(self, params: list[Tensor], bad: Tensor, scale: Tensor | None) -> None:
         opt = self.optimizer
         fresh = [p for p in params if not opt.state.get(p)]  # SGD leaves uninitialised memory on a skipped first step
-        opt.grad_scale, opt.found_inf = scale, bad
+        setattr(opt, "grad_scale", scale)  # what fused optimizers read, as GradScaler sets them
+        setattr(opt, "found_inf", bad)
         try:
             if fresh:
                 self._restoring_step(fresh, bad, opt.step, params_too=False)
             else:
                 opt.step()
         finally:
-            del opt.grad_scale, opt.found_inf
+            delattr(opt, "grad_scale")
+            delattr(opt, "found_inf")
 
     def _restoring_step(self, params: list[Tensor], bad: Tensor, step: Callable[[], Any], params_too: bool = True) -> None:
         """Run ``step`` between a copy of what it may change and a device-side select back."""
@@ -261,16 +275,22 @@ class Guard:
         return buf[1]
 
     def _count(self, bad: Tensor) -> None:
-        if self._skipped is None or self._skipped.device != bad.device:
-            self._skipped = torch.zeros((), dtype=torch.int64, device=bad.device)
-            self._step_dev = torch.full((), self.steps, dtype=torch.int64, device=bad.device)
-            self._log = torch.zeros(_LOG, dtype=torch.int64, device=bad.device)
-        slot = self._skipped.clamp(max=_LOG - 1).view(1)
-        self._log.index_copy_(0, slot, self._step_dev.view(1))  # overwritten by the next skip unless this one is
+        skipped, step, log = self._skipped, self._step_dev, self._log
+        if skipped is None or step is None or log is None:
+            skipped = self._skipped = torch.zeros((), dtype=torch.int64, device=bad.device)
+            step = self._step_dev = torch.full((), self.steps, dtype=torch.int64, device=bad.device)
+            log = self._log = torch.zeros(_LOG, dtype=torch.int64, device=bad.device)
+        elif skipped.device != bad.device:  # the parameters moved: the counts move with them
+            skipped = self._skipped = skipped.to(bad.device)
+            step = self._step_dev = step.to(bad.device)
+            log = self._log = log.to(bad.device)
+        slot = skipped.clamp(max=_LOG - 1).view(1)
+        log.index_copy_(0, slot, step.view(1))  # overwritten by the next skip unless this one is
         if self._origin_log is not None and self._watch is not None and self._watch.get("delta") is not None:
-            self._origin_log.index_copy_(0, slot, self._watch["delta"].view(1, -1).to(self._origin_log.device))
-        self._skipped.add_(bad.to(torch.int64))
-        self._step_dev.add_(1)
+            self._origin_log.index_copy_(0, slot.to(self._origin_log.device),
+                                         self._watch["delta"].view(1, -1).to(self._origin_log.device))
+        skipped.add_(bad.to(torch.int64))
+        step.add_(1)
 
     # -- with dbg=: did a watched node see NaN/Inf since the last step? ---------------------------
     def _watched_bad(self, device: torch.device) -> Tensor | None:
@@ -291,7 +311,7 @@ class Guard:
         """The ``bad_calls`` slots of every fused row that a NaN/Inf-watching probe reads, per state
         table; rebuilt when the model's tables change (a recapture, a reset, a move)."""
         observers = self.dbg.observers()
-        rows: list[tuple[Any, int, str]] = []
+        rows: list[tuple[Tensor, int, tuple[str, str]]] = []
         for name, obs in observers.items():
             if not any(c.key and NONFINITE in c.roles for p in obs.fused_probes for c in p.columns):
                 continue
@@ -309,7 +329,7 @@ class Guard:
         tables: dict[int, tuple[Tensor, list[int]]] = {}
         for t, i, _ in rows:
             tables.setdefault(id(t), (t, []))[1].append(i)
-        labels = []  # in the order the concatenation lays them out: table by table, rows in graph order
+        labels: list[tuple[str, str]] = []  # in the order the concatenation lays them out: table by table, rows in graph order
         for tid, (t, idx) in tables.items():
             labels.extend(label for tt, i, label in rows if id(tt) == tid)
         plan = {"key": key, "labels": labels,
