@@ -18,7 +18,7 @@ from torch.fx import GraphModule
 from fxdebug.authoring.context import PassContext
 from fxdebug.report.distributed import unwrap_parallel
 from fxdebug.errors import ArgumentTypeError, FxDebugError, MissingInputsError, TraceError, UsageError
-from fxdebug.capture.base import Frontend, TraceOptions
+from fxdebug.capture.base import Capture, Frontend, TraceOptions
 from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
 from fxdebug.capture.subtrees import SubtreesFrontend
 from fxdebug.instrumented.live import LiveInstrumented
@@ -37,6 +37,9 @@ __all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
 
 FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
 _CHOICES = ("auto", "dynamo", *FRONTENDS)
+# instrument(frontend="auto"): the live Dynamo capture unless a pass transforms the graph (then symbolic,
+# export, subtrees, noted); False keeps "auto" on that snapshot chain for every pass list
+AUTO_IS_LIVE = False
 # instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
 _INSTRUMENT_OWN = ("prior_report", "verify")
 
@@ -86,7 +89,7 @@ def trace(
     inputs = normalize_inputs(example_inputs)
     check_example_inputs(model, inputs)
     options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
-    gm = FRONTENDS[frontend].capture(model, inputs, options) if frontend != "auto" else _trace_auto(model, inputs, options)
+    gm = _capture(frontend, model, inputs, options) if frontend != "auto" else _trace_auto(model, inputs, options)
     if unwrapped:
         gm.trace_info.notes.insert(0, unwrapped)
     remember(gm, model, (), example_inputs,  # so that a switch of training mode captures that mode's graph
@@ -94,11 +97,19 @@ def trace(
     return gm
 
 
+def _capture(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
+    """Capture with ``frontend``; the module is built from the ``Capture`` it returns."""
+    captured = FRONTENDS[frontend].capture(model, inputs, options)
+    if isinstance(captured, Capture):
+        return Instrumented.from_capture(model, captured)
+    return captured  # the subtrees frontend assembles its eager root itself
+
+
 def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
     """Symbolic, then export, then subtrees; the result notes why the earlier ones failed."""
     start = time.perf_counter()
     try:
-        return FRONTENDS["symbolic"].capture(model, inputs, options)
+        return _capture("symbolic", model, inputs, options)
     except TraceError as exc:
         symbolic_error = exc
     why = [f"auto: symbolic tracing failed: {symbolic_error.message}"]
@@ -109,11 +120,11 @@ def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrum
             module=symbolic_error.module, op=symbolic_error.op,
         ) from symbolic_error
     try:
-        gm = FRONTENDS["export"].capture(model, inputs, options)
+        gm = _capture("export", model, inputs, options)
     except TraceError as exc:
         why.append(f"auto: torch.export failed: {exc.message}")
         try:
-            gm = FRONTENDS["subtrees"].capture(model, inputs, options)
+            gm = _capture("subtrees", model, inputs, options)
         except FxDebugError:
             raise
         except Exception as run_exc:  # the model itself does not run on the example inputs
@@ -182,14 +193,41 @@ def instrument(
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
-    if trace_options.get("frontend") == "dynamo":
+    static_why = (_static_reason(model, pass_list, trace_options)
+                  if AUTO_IS_LIVE and trace_options.get("frontend", "auto") == "auto" else None)
+    if trace_options.get("frontend") == "dynamo" or static_why == "":
         return _instrument_live(model, pass_list, example_inputs, prior, check, start)
     gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
+    if static_why:
+        gm.trace_info.notes.insert(0, static_why)
     remember(gm, model, pass_list, example_inputs, trace_options, instrument)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:  # outputs, every gradient and buffers against the model, in train and eval mode
         verify(gm, example_inputs).raise_if_failed()
     return gm
+
+
+def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any]) -> str | None:
+    """For ``frontend="auto"``: ``""`` to capture live (Dynamo), else why a snapshot frontend is used.
+
+    ``None``: the model was captured before by a snapshot frontend (its passes are added to that capture).
+    """
+    inner, _ = unwrap_parallel(model)
+    if isinstance(inner, LiveInstrumented):
+        return ""
+    if isinstance(inner, Instrumented):
+        return None
+    transforms = [getattr(p, "name", type(p).__name__) for p in passes if not p.observe_only]
+    if transforms:
+        return (f"auto: {', '.join(transforms)} transform(s) the graph into a new module, which needs one whole "
+                "graph: captured by symbolic tracing (then export, then subtrees), a snapshot of the model as it is "
+                "now, not the live Dynamo capture")
+    given = [k for k, default in (("leaf_modules", ()), ("auto_leaf", True), ("dynamic_batch", False))
+             if k in options and options[k] != default]
+    if given:
+        return (f"auto: {', '.join(given)} given, an option of the snapshot frontends: captured by symbolic tracing "
+                "(then export, then subtrees), not the live Dynamo capture")
+    return ""
 
 
 def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,

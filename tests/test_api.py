@@ -10,7 +10,7 @@ import torch
 import fxdebug
 from fxdebug.api import FRONTENDS
 from fxdebug.authoring import INSTRUMENTATION, GraphRecord, graph_pass, node_meta
-from fxdebug.capture.base import TraceOptions
+from fxdebug.capture.base import Capture, TraceOptions
 from fxdebug.passes import NaNCheck, StatCollector
 from zoo import ZOO
 from test_subtrees import Detector, _images
@@ -21,6 +21,10 @@ def test_every_frontend_returns_an_instrumented_module_with_parts():
     model.eval()  # dropout off: the captures must compute exactly what the model computes
     for name, frontend in FRONTENDS.items():
         gm = frontend.capture(model, ((x,), {}), TraceOptions())
+        if isinstance(gm, Capture):  # data: parts with their graphs; the module is built from it
+            assert [p.path for p in gm.parts] == [""] and isinstance(gm.part.graph_module, torch.fx.GraphModule)
+            assert gm.part.inputs is None and gm.info.frontend == name
+            gm = fxdebug.Instrumented.from_capture(model, gm)
         assert isinstance(gm, fxdebug.Instrumented) and gm.trace_info.frontend == name
         parts = gm.parts()
         assert parts and all(isinstance(p, fxdebug.Instrumented) for p in parts.values())

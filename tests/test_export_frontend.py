@@ -234,7 +234,7 @@ def test_symbolic_first_when_it_works() -> None:
     model = Block()
     gm = fxdebug.trace(model, (torch.randn(2, 6),))
     assert gm.trace_info.frontend == "symbolic"
-    with pytest.raises(fxdebug.UsageError, match="frontend='nope' is not one of auto, symbolic, export, subtrees"):
+    with pytest.raises(fxdebug.UsageError, match="frontend='nope' is not one of auto, dynamo, symbolic, export, subtrees"):
         fxdebug.trace(model, frontend="nope")
 
 

@@ -17,7 +17,7 @@ from torch import nn
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
 
-FRONTEND = {"frontend": "dynamo"}
+FRONTEND: dict = {"frontend": "dynamo"}
 
 
 def _passes():

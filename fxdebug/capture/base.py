@@ -1,22 +1,26 @@
-"""The ``Frontend`` protocol: one way of capturing a model, returning the one capture type.
+"""The ``Frontend`` protocol and the data every frontend returns: a ``Capture`` of ``Part``s.
 
-Every frontend turns ``(model, example inputs, options)`` into an ``Instrumented`` module whose
-``parts()`` say what was captured: one graph for the symbolic and export frontends, several for
-the subtrees frontend. ``api.trace`` chooses a frontend; the pass pipeline, the report and the
-picture only ever see ``Instrumented`` and its parts.
+A frontend turns ``(model, example inputs, options)`` into a ``Capture``: plain data, no module
+behaviour. Each ``Part`` is one captured graph: the module path it stands for (``""`` for the whole
+model), a ``torch.fx.GraphModule`` over that module's own objects, the inputs the part was called
+with when the frontend recorded the model (``None`` when it was captured from the caller's
+example inputs), and the path from the model's root that ``where=`` patterns name. ``info`` says
+how the model was captured (``TraceInfo``). The ``Instrumented`` module is built from a capture
+one floor up (``fxdebug.instrumented.module.Instrumented.from_capture``); ``api.trace`` chooses
+the frontend.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from torch import nn
+from torch.fx import GraphModule
 
 from fxdebug.graph.inputs import CallInputs
-from fxdebug.instrumented.module import Instrumented
 
-__all__ = ["CallInputs", "Frontend", "TraceOptions"]
+__all__ = ["CallInputs", "Capture", "Frontend", "Part", "TraceOptions"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,46 @@ class TraceOptions:
     dynamic_batch: bool = False
 
 
+@dataclass
+class Part:
+    """One captured graph.
+
+    Attributes:
+        path: the module path the graph stands for (``""``: the whole model).
+        graph_module: the graph over that module's own parameters, buffers and children; fxdebug's
+            own modules the graph refers to (``fxdebug.constants.*``) sit under its ``fxdebug`` child.
+        inputs: ``(args, kwargs)`` the part was called with when the frontend recorded the model,
+            for the pass pipeline; ``None`` when it runs on the caller's example inputs.
+        root_path: the part's path from the model's root, which ``where=`` patterns name.
+    """
+
+    path: str
+    graph_module: GraphModule
+    inputs: CallInputs | None = None
+    root_path: str = ""
+
+
+@dataclass
+class Capture:
+    """What a frontend returns: the captured parts, in execution order, and how they were captured."""
+
+    parts: list[Part]
+    info: Any  # TraceInfo (fxdebug.capture.symbolic)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def part(self) -> Part:
+        """The one part of a single-graph capture."""
+        if len(self.parts) != 1:
+            raise ValueError(f"a capture of {len(self.parts)} parts has no single part")
+        return self.parts[0]
+
+
 class Frontend(Protocol):
     """A way of capturing a model. ``name`` is what ``trace(frontend=...)`` accepts."""
 
     name: str
 
-    def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Instrumented:
-        """Capture ``model``; raise ``TraceError`` (naming the module and the fix) if it cannot."""
+    def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Any:
+        """Capture ``model`` (a ``Capture``); raise ``TraceError`` (naming the module and the fix) if it cannot."""
         ...

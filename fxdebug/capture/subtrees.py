@@ -37,7 +37,7 @@ from fxdebug.errors import MissingInputsError, UsageError
 from fxdebug.capture.faithful import sync_attributes, sync_tensors
 from fxdebug.capture.live import LiveGuard
 from fxdebug.instrumented.module import Instrumented
-from fxdebug.graph.meta import KEY, GraphRecord, fx_meta
+from fxdebug.graph.meta import KEY, GraphRecord, fx_meta, graph_record
 from fxdebug.graph.serialize import deserialize_graph, serialize_graph
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import Frontend, TraceOptions
@@ -146,7 +146,7 @@ def _capture_one(module: nn.Module, rec: _Calls, options: TraceOptions) -> tuple
             reasons.append("export: called with different input shapes")
             continue
         try:
-            gm = frontend.capture(module, (args, kwargs), options)
+            gm = Instrumented.from_capture(module, frontend.capture(module, (args, kwargs), options))
         except Exception as exc:  # any capture failure leaves the module eager, with the reason
             reasons.append(f"{frontend.name}: {getattr(exc, 'message', str(exc)).split('. ')[0]}")
             continue
@@ -160,7 +160,7 @@ def _capture_one(module: nn.Module, rec: _Calls, options: TraceOptions) -> tuple
             if not ok:
                 reasons.append(f"{frontend.name}: the captured graph does not reproduce the module's outputs bitwise")
         if ok:
-            gm.__dict__["_recorded_inputs"] = (args, kwargs)  # this part's inputs for the pass pipeline
+            gm.part_inputs = (args, kwargs)  # Part.inputs: this part's inputs for the pass pipeline
             return gm, frontend.name
     return None, "; ".join(reasons)
 
@@ -196,7 +196,7 @@ def _select(model: nn.Module, seen: dict[str, _Calls],
         gm, how = _capture_one(module, rec, relative)
         if gm is not None:
             captured[path] = (gm, how)
-            gm.__dict__["_fxdebug_root_path"] = path  # where= patterns name root paths (select.matches)
+            graph_record(gm).extras["root_path"] = path  # Part.root_path: where= names root paths (select.matches)
             return
         eager[path] = how
         for name, child in children:

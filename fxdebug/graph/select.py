@@ -5,9 +5,9 @@ from __future__ import annotations
 import fnmatch
 from typing import Callable, Sequence, Union
 
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
-from fxdebug.graph.meta import module_path
+from fxdebug.graph.meta import KEY, module_path
 
 __all__ = ["Where", "matches"]
 
@@ -23,7 +23,8 @@ def _match_one(pattern: str, node: Node) -> bool:
         return True
     # A part captured per subtree knows its path in the model: "backbone.body.*" selects its nodes too.
     owner = node.graph.owning_module
-    root = owner.__dict__.get("_fxdebug_root_path") if owner is not None else None
+    record = owner.meta.get(KEY) if isinstance(owner, GraphModule) else None
+    root = record.get("root_path") if record is not None and hasattr(record, "get") else None
     if not root:
         return False
     full = f"{root}.{path}" if path else root

@@ -31,7 +31,9 @@ from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, Prepared, backend, dynamo_config, live, prepare
 from fxdebug.capture.symbolic import TraceInfo
-from fxdebug.errors import UsageError
+from fxdebug.capture.base import TraceOptions
+from fxdebug.capture.graphs import SymbolicFrontend
+from fxdebug.errors import FxDebugError, UsageError
 from fxdebug.graph.inputs import Inputs
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
@@ -84,10 +86,13 @@ class LiveInstrumented(Instrumented):
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
         self.__dict__["_calls"] += 1
-        with live(self), dynamo_config(), warnings.catch_warnings():
-            # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
-            warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
-            return self.__dict__["_compiled"](*args, **kwargs)
+        try:
+            with live(self), dynamo_config(), warnings.catch_warnings():
+                # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
+                warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
+                return self.__dict__["_compiled"](*args, **kwargs)
+        except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors while capturing
+            raise _diagnosed(self._model, args, kwargs, exc) from exc
 
     # -- the session Dynamo's graphs run in ---------------------------------------------------------
     def run_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> Any:
@@ -113,6 +118,9 @@ class LiveInstrumented(Instrumented):
             inputs = Inputs(*[args[i] for i in prepared.keep])
             part = run_passes(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
             info.seconds = time.perf_counter() - start
+            top = graph_record(self)
+            if not top.passes:  # the passes as they ran on the first graph
+                top.passes.extend(graph_record(part).passes)
             found = parts[graph] = _Part(part, prepared.keep)
             return found
 
@@ -249,6 +257,22 @@ def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
     part._non_persistent_buffers_set = model._non_persistent_buffers_set
     part.__dict__[NAMESPACE] = space
     return part
+
+
+def _diagnosed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> Exception:
+    """The typed error naming the node, module and shapes, found by running a symbolic capture; else ``exc``.
+
+    Dynamo reports a failing op by its fake tensors; the symbolic graph's shape run names the node
+    the way every other fxdebug error does (``ShapeMismatchError`` for a shape problem).
+    """
+    try:
+        captured = SymbolicFrontend().capture(model, (args, kwargs), TraceOptions())
+        PassContext(Inputs(*args, **kwargs)).specs(Instrumented.from_capture(model, captured))
+    except FxDebugError as err:
+        return err
+    except Exception:
+        return exc
+    return exc
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str]) -> LiveInstrumented:

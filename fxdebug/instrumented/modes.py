@@ -154,7 +154,7 @@ def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
         options = {**inner.options, **options}
     options = {k: v for k, v in options.items() if k in ("leaf_modules", "auto_leaf", "dynamic_batch")}
     frontend = gm.trace_info.frontend
-    parts = gm.parts() if hasattr(gm, "parts") else {"": gm}
+    parts = gm.parts()
     top = frontend if frontend in ("symbolic", "export") else ""
     previous = recipe(gm)
     rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model), instrument)
@@ -174,7 +174,7 @@ def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
         if not path or part is gm:
             continue
         module: Any = model.get_submodule(path)
-        recorded = part.__dict__.get("_recorded_inputs")  # still there before the pass pipeline takes it
+        recorded = part.recorded_inputs()  # Part.inputs, as the frontend recorded them
         inputs = Inputs(*recorded[0], **recorded[1]) if recorded is not None else known.get(path)
         rec.part_inputs[path] = inputs
         prefix = f"{path}."

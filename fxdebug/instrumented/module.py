@@ -43,6 +43,7 @@ from fxdebug.report.distributed import merged_report
 from fxdebug.report.report import Report, build_report, merge_reports
 from fxdebug.graph.serialize import deserialize_graph, encode_pytree_info, serialize_graph
 from fxdebug.instrumented.to_module import to_module as plain_module
+from fxdebug.capture.base import Capture
 from fxdebug.capture.symbolic import TraceInfo
 
 __all__ = ["Instrumented"]
@@ -54,7 +55,20 @@ class Instrumented(GraphModule):
     Build one with ``fxdebug.trace`` or ``fxdebug.instrument``, not directly.
     """
 
+    part_inputs: Any = None  # ``Part.inputs``: (args, kwargs) this part was called with when its frontend recorded it
+
     # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_capture(cls, model: nn.Module, capture: Capture) -> "Instrumented":
+        """The module for a single-graph ``Capture`` (symbolic, export): the graph over ``model``'s own objects."""
+        part = capture.part
+        gm = part.graph_module
+        built = cls._build(model, gm.graph, capture.info, namespace=gm._modules.get(NAMESPACE))
+        built.part_inputs = part.inputs
+        if part.root_path:
+            graph_record(built).extras["root_path"] = part.root_path  # where= names paths from the model's root
+        return built
+
     @classmethod
     def _build(cls, model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> "Instrumented":
         """``namespace``: fxdebug's own modules the graph already refers to (``fxdebug.*`` targets)."""
@@ -131,9 +145,9 @@ class Instrumented(GraphModule):
     def recorded_inputs(self) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The ``(args, kwargs)`` this part was called with when its frontend recorded the model.
 
-        Handed over once, to the pass pipeline (``None`` for a part captured from the caller's inputs).
+        ``None`` for a part captured from the caller's example inputs (``Part.inputs``).
         """
-        return self.__dict__.pop("_recorded_inputs", None)
+        return self.part_inputs
 
     def observers(self) -> dict[str, Observer]:
         """``{observed node name: Observer}`` for every observed node, in graph order.

@@ -23,8 +23,6 @@ aggregates still see NaN/Inf in any folded block.
 
 from __future__ import annotations
 
-import re
-
 from fxdebug.render.view import GraphView, VisNode
 
 __all__ = ["CHUNK", "SIZE_OPS", "chunk_long_clusters", "fold_view", "focus_paths"]
@@ -179,9 +177,6 @@ def focus_paths(view: GraphView) -> set[str]:
                 parts = v.placed.split(".")
                 out.update(".".join(parts[: i + 1]) for i in range(len(parts)))
     return out
-
-
-_INDEX = re.compile(r"^(.*?)(\d+)$")
 
 
 def _blocks(view: GraphView) -> dict[str, list[VisNode]]:
