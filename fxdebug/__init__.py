@@ -27,6 +27,7 @@ from fxdebug import when
 from fxdebug.instrumented.networkx import to_networkx
 from fxdebug import authoring
 from fxdebug.api import instrument, render, trace
+from fxdebug.render.draw import RenderOptions
 from fxdebug.instrumented.module import Instrumented
 from fxdebug import numerics
 from fxdebug.numerics import diff, precision_plan, repro
@@ -65,6 +66,7 @@ __all__ = [
     "PassError",
     "PassManager",
     "PassResult",
+    "RenderOptions",
     "Report",
     "Sensitivity",
     "ShapeMismatchError",

@@ -261,8 +261,8 @@ def render(model_or_gm: nn.Module, path: str, example_inputs: Any = None, **opti
 
     ``model_or_gm`` is an ``Instrumented`` module (its report is drawn), any ``GraphModule``, or a
     plain ``nn.Module`` (traced here, on ``example_inputs`` when given). The options (``depth``,
-    ``show_instrumentation``, ``failed``, ``report``) are documented on the drawing function in
-    ``fxdebug/render.py``.
+    ``show_instrumentation``, ``failed``, ``report``, ``fold``, ``diff``) are ``fxdebug.RenderOptions``
+    fields, given as keywords or as ``options=RenderOptions(...)``.
     """
     if isinstance(model_or_gm, nn.Module) and not isinstance(model_or_gm, GraphModule):
         model_or_gm = trace(model_or_gm, example_inputs)

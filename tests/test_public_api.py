@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 USER_API = {
     "Alignment", "align", "ArgumentTypeError", "DeviceMismatchError", "DistributedError", "FxDebugError", "GradcheckResult", "InplaceError", "Inputs",
     "Instrumented", "LeafInfo", "MissingInputsError", "NonFiniteError", "Pass", "PassContext", "PassError",
-    "PassManager", "PassResult", "Report", "Sensitivity", "ShapeMismatchError", "TraceError", "TraceInfo",
+    "PassManager", "PassResult", "RenderOptions", "Report", "Sensitivity", "ShapeMismatchError", "TraceError", "TraceInfo",
     "UsageError", "Verification", "VerificationError", "authoring", "collect", "gradcheck", "graph_pass", "guard",
     "instrument", "node_pass", "numerics", "outputs_of", "plot", "precision_plan", "render", "sensitivity", "to_networkx",
     "trace", "verify", "when",

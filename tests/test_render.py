@@ -320,3 +320,13 @@ def test_cli_render_html(tmp_path, capsys):
     assert '"name":"layer1_0_conv1"' in page and "window.fxdebugViewer" in page
     assert not (tmp_path / "g.svg").exists()
     assert "g.html" in capsys.readouterr().out
+
+
+def test_render_takes_an_options_object_and_keywords_and_names_unknown_options(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    opts = fxdebug.RenderOptions(depth=1, show_instrumentation=True)
+    path = fxdebug.render(model, str(tmp_path / "m.svg"), (x,), options=opts, fold=False)
+    assert path.endswith("m.svg") and (tmp_path / "m.dot").exists()
+    with pytest.raises(fxdebug.UsageError, match="no option 'colour'.*depth"):
+        fxdebug.render(model, str(tmp_path / "n.svg"), (x,), colour="red")
