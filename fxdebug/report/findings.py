@@ -253,11 +253,14 @@ _OP_FIX = {
 }
 
 
-def _op_fix(row: dict[str, Any], phase: str) -> str:
+def _op_fix(row: dict[str, Any], phase: str, via: bool = True) -> str:
     op = str(row.get("op") or "").lower()
     for key, fix in _OP_FIX.items():
         if key in op:
             return fix + "."
+    if phase == "backward" and not via:  # no observed op of the graph sent it: it came from the loss
+        return ("the non-finite gradient came into the graph from outside it (the loss or the code that calls the "
+                "model): check the loss for log(0), division by zero or an overflowing scale.")
     if phase == "backward":
         return ("check the backward of the ops that use this value (nonfinite_grad_from); clamp their inputs "
                 "away from singular points.")
@@ -292,16 +295,23 @@ def _nonfinite_findings(report: Any, gm: Any = None) -> list[Finding]:
         firsts = [v for v in (_num(row.get(k)) for k in origins) if v is not None]
         first = min(firsts) if firsts else None
         via = list(getattr(report, "nonfinite_grad_from", []) or []) if phase == "backward" else []
-        text = (f"NaN/Inf origin (forward): {_where(row)} turned finite inputs into NaN/Inf"
+        bad_params = list(getattr(report, "nonfinite_params", None) or []) if phase == "forward" else []
+        text = (f"NaN/Inf origin (forward): {_where(row)} " + (
+                    f"made NaN/Inf from its non-finite parameter(s) {', '.join(bad_params)} (the weights went bad)"
+                    if bad_params else "turned finite inputs into NaN/Inf")
                 if phase == "forward" else
                 f"NaN/Inf origin (backward): a non-finite gradient entered at {_where(row)}"
                 + (f", from the backward of {', '.join(via)}" if via else ""))
         if first is not None:
             text += f", first in call {int(first)}"
-        if phase == "forward":
+        if phase == "forward" and not bad_params:
             text += _input_mins(gm, name, report)
-        out.append(NonFiniteOrigin(node=name, module=_mod(row), figure=first, message=text + ".",
-                                   fix=_op_fix(report.row(via[0]) if via and _has(report, via[0]) else row, phase)))
+        fix = _op_fix(report.row(via[0]) if via and _has(report, via[0]) else row, phase, bool(via))
+        if bad_params:
+            fix = ("the weights were already NaN/Inf before this call: an earlier optimizer step or a loaded checkpoint "
+                   "made them so. Lower the learning rate or clip gradients, skip non-finite steps (fxdebug.guard), "
+                   "or reload a good checkpoint.")
+        out.append(NonFiniteOrigin(node=name, module=_mod(row), figure=first, message=text + ".", fix=fix))
     return out
 
 

@@ -46,6 +46,7 @@ class Report:
     calls: int = 0
     columns: list[Column] = field(default_factory=lambda: resolve_columns(()))
     failure: Any = None  # the FxDebugError that stopped fxdebug.collect(), if one did
+    nonfinite_params: list[str] = field(default_factory=list)  # non-finite weights of the forward origin's op
 
     # -- lookup ---------------------------------------------------------------------------------
     def row(self, node: str) -> dict[str, Any]:
@@ -123,6 +124,7 @@ class Report:
             "first_nonfinite": self.first_nonfinite,
             "first_nonfinite_grad": self.first_nonfinite_grad,
             "nonfinite_grad_from": self.nonfinite_grad_from,
+            "nonfinite_params": self.nonfinite_params,
             "auto_leaves": self.auto_leaves,
             "notes": self.notes,
             "failure": None if self.failure is None else {
@@ -256,11 +258,13 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
     columns = resolve_columns(declared)
     entered = _backward_origin(rows, columns)
     notes = list(notes) + _runtime_notes(clocks.values())
+    origin = _forward_origin(rows, columns)
     return Report(
         rows=rows,
-        first_nonfinite=_forward_origin(rows, columns),
+        first_nonfinite=origin,
         first_nonfinite_grad=entered,
         nonfinite_grad_from=_grad_producers(entered, by_name),
+        nonfinite_params=_nonfinite_params(gm, by_name.get(origin) if origin is not None else None),
         auto_leaves=dict(auto_leaves or {}),
         frontend=frontend,
         notes=list(notes),
@@ -290,9 +294,14 @@ def merge_reports(parts: Mapping[str, Report], *, frontend: str = "symbolic", no
         leaves.update({(f"{path}.{k}" if path else k): v for k, v in rep.auto_leaves.items()})
     columns = resolve_columns(c for rep in parts.values() for c in rep.columns)
     entered = _backward_origin(rows, columns)
+    origin = _forward_origin(rows, columns)
+    bad_params = next(([f"{path}.{p}".strip(".") for p in rep.nonfinite_params] for path, rep in parts.items()
+                       if rep.first_nonfinite is not None
+                       and (f"{path}/" if path else "") + rep.first_nonfinite == origin), [])
     return Report(
         rows=rows,
-        first_nonfinite=_forward_origin(rows, columns),
+        nonfinite_params=bad_params,
+        first_nonfinite=origin,
         first_nonfinite_grad=entered,
         nonfinite_grad_from=grad_from.get(entered, []) if entered is not None else [],
         auto_leaves=leaves,
@@ -333,6 +342,44 @@ def _backward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str |
         return None
     earliest = min(c for c, _ in seen)
     return rows[max(i for c, i in seen if c == earliest)]["node"]
+
+
+def _nonfinite_params(gm: GraphModule, node: Node | None) -> list[str]:
+    """Parameters and attributes ``node``'s op reads that hold NaN/Inf (read with the report): when
+    the weights went bad, the origin's inputs were finite but its weights were not."""
+    import torch
+
+    if node is None:
+        return []
+    found: dict[str, None] = {}
+
+    def check(name: str, t: Any) -> None:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.device.type != "meta" \
+                and not bool(torch.isfinite(t.detach()).all()):
+            found[name] = None
+
+    def owned(path: str, recurse: bool) -> None:
+        try:
+            mod = gm.get_submodule(path)
+        except AttributeError:
+            return
+        for n, p in mod.named_parameters(recurse=recurse):
+            check(f"{path}.{n}".strip("."), p)
+
+    if node.op == "call_module":
+        owned(str(node.target), True)
+    else:
+        for a in node.all_input_nodes:
+            if a.op == "get_attr":
+                try:
+                    check(str(a.target), gm.get_parameter(str(a.target)))
+                except AttributeError:
+                    with contextlib.suppress(AttributeError):
+                        check(str(a.target), gm.get_buffer(str(a.target)))
+        path = module_path(node)
+        if path:
+            owned(path, False)
+    return list(found)
 
 
 def _grad_producers(entered: str | None, by_name: dict[str, Node]) -> list[str]:
