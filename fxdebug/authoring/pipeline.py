@@ -122,7 +122,8 @@ class _FunctionPass(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:
         if not self._per_node:
-            return self._fn(gm, ctx)  # type: ignore[no-any-return]
+            result: PassResult | None = self._fn(gm, ctx)
+            return result
         return PassResult(gm, replaced=self.rewrite(gm, ctx, self._fn))
 
     def __repr__(self) -> str:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Generic, Iterator, Mapping, TypeVar, overload
+from typing import Any, Generic, Iterator, Mapping, TypeVar, cast, overload
 
 from torch.fx import GraphModule, Node
 
@@ -96,9 +96,9 @@ class _Key(Generic[T]):
             return self
         raw = obj.node.meta.get(KEY, {})
         if self.name in raw:
-            return raw[self.name]  # type: ignore[no-any-return]
+            return cast(T, raw[self.name])
         if isinstance(self.default, (list, dict)):
-            return type(self.default)(self.default)  # type: ignore[return-value]
+            return cast(T, type(self.default)(self.default))
         return self.default
 
     def __set__(self, obj: "NodeMeta", value: T) -> None:

@@ -218,8 +218,9 @@ def _resolve(obj: Any, example_inputs: Any) -> GraphModule:
     if not isinstance(obj, GraphModule):
         hint = " (it is a class: instantiate it first)" if isinstance(obj, type) else ""
         raise ArgumentTypeError(f"render() needs an nn.Module or a GraphModule; got {type(obj).__name__}{hint}.")
-    if example_inputs is not None:
-        learn_specs(obj, normalize_inputs(example_inputs))  # writes shape/dtype/device into node meta
+    inputs = normalize_inputs(example_inputs) if example_inputs is not None else None
+    if inputs is not None:
+        learn_specs(obj, inputs)  # writes shape/dtype/device into node meta
     return obj
 
 
