@@ -521,11 +521,21 @@ def model_specs(draw: Any, max_steps: int = 7, fusable: bool = False, faithful: 
     return spec
 
 
-def build(spec: ModelSpec, leaky: float | None = None) -> FuzzModel:
+class KeywordFuzzModel(FuzzModel):
+    """A ``FuzzModel`` whose forward also takes an optional keyword (``scale=``), as real models take
+    ``labels=`` or ``attention_mask=``: a call may bring a keyword the example inputs did not."""
+
+    def forward(self, x: Tensor, scale: float | None = None) -> Any:  # type: ignore[override]
+        if scale is not None:
+            x = x * scale
+        return super().forward(x)
+
+
+def build(spec: ModelSpec, leaky: float | None = None, keyword: bool = False) -> FuzzModel:
     """The model for ``spec``, its parameters (and batch-norm statistics) drawn from its seed."""
     with torch.random.fork_rng():
         torch.manual_seed(spec.seed)
-        model = FuzzModel(spec, leaky)
+        model = (KeywordFuzzModel if keyword else FuzzModel)(spec, leaky)
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):

@@ -403,3 +403,92 @@ def test_a_tensor_hook_registered_in_forward_runs_at_every_call_or_is_refused() 
     assert _grads(dbg, x)[0].equal(_grads(model, x)[0])
     dbg = fxdebug.instrument(model, passes(), x, frontend="subtrees")
     assert _grads(dbg, x)[0].equal(_grads(model, x)[0])
+
+
+# -- 3. subtrees: the parts are the model's own module objects -----------------------------------------
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.drop(self.bn(x @ self.w))
+        if self.training:
+            y = y + 1
+        return y
+
+
+class Looping(nn.Module):
+    """A root neither FX nor export captures (a Python loop over the batch): subtrees keeps it eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1 = Block()
+        self.b2 = Block()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.cat([self.b2(self.b1(x[i:i + 1].repeat(2, 1))) for i in range(x.shape[0])])
+
+
+def _same_seeded(a: nn.Module, b: nn.Module, x: Tensor) -> None:
+    torch.manual_seed(0)
+    got = a(x)
+    torch.manual_seed(0)
+    torch.testing.assert_close(got, b(x), rtol=0, atol=0)
+
+
+def test_subtrees_parts_are_the_models_own_modules() -> None:
+    import copy
+
+    model = Looping().eval()
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend="subtrees")
+    assert set(dbg.parts()) == {"b1", "b2"}
+    assert sum(isinstance(m, Block) for m in dbg.modules()) == 2  # an isinstance loop finds them
+    assert dbg.get_submodule("b1") is model.b1
+    twin = copy.deepcopy(model)
+    model.train()  # reaches the parts: batch-norm statistics and dropout follow
+    twin.train()
+    _same_seeded(dbg, twin, x)
+    torch.testing.assert_close(model.b1.bn.running_mean, twin.b1.bn.running_mean, rtol=0, atol=0)
+    for m in dbg.modules():  # the usual freeze-the-blocks loop, through the instrumented module
+        if isinstance(m, Block):
+            m.eval()
+    twin.b1.eval()
+    twin.b2.eval()
+    _same_seeded(dbg, twin, x)
+    assert dbg.report().rows
+    assert "forward" not in model.b1.__dict__, "the routing must not stay on the model's module"
+
+
+def test_subtrees_with_a_parametrized_part_and_root() -> None:
+    from torch.nn.utils import parametrize
+
+    model = Looping().eval()
+    parametrize.register_parametrization(model.b1, "w", Symmetric())
+    x = torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, passes(), x, frontend="subtrees")
+    torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+    with torch.no_grad():
+        model.b1.parametrizations.w.original.mul_(2)
+    torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
+    scaled = Scaled().eval()  # a parametrization on the eager root itself
+    parametrize.register_parametrization(scaled, "scale", Doubled())
+    dbg = fxdebug.instrument(scaled, passes(), x, frontend="subtrees")
+    torch.testing.assert_close(dbg(x), scaled(x), rtol=0, atol=0)
+
+
+class Doubled(nn.Module):
+    def forward(self, s: Tensor) -> Tensor:
+        return s * 2
+
+
+class Scaled(Looping):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * self.scale

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import fxdebug
 from fxdebug.passes import DeviceCheck, Fuse, NaNCheck, PruneMasks, ShapeAssert, StatCollector, SwapActivation
-from fuzz_models import FAITHFUL_OPS, RELU_FORMS, ModelSpec, build, flat_tensors, model_specs
+from fuzz_models import FAITHFUL_OPS, RELU_FORMS, ModelSpec, _scaled, build, flat_tensors, model_specs
 
 _DEFAULT = 500 if os.environ.get("FXDEBUG_SLOW") else 12
 EXAMPLES = int(os.environ.get("FXDEBUG_FUZZ_EXAMPLES", _DEFAULT))
@@ -337,3 +337,107 @@ def test_prune_masks_equals_the_model_with_those_weights_zeroed(spec: ModelSpec,
         assert (p.grad is None) == (want is None) and (want is None or torch.equal(p.grad, want)), k
     STATS["pruned_layers"] += len(masked)
     STATS.update(f"prune-op:{op}" for op in spec.ops())
+
+
+# -- after instrument: the model keeps changing ------------------------------------------------------
+MUTATIONS = ("replace", "load_state_dict", "add_hook", "remove_hook", "model_train", "model_eval", "keyword",
+             "batch")
+
+
+def _mutate(kind: str, model: nn.Module, ref: nn.Module, handles: list[Any], k: int) -> dict[str, Any]:
+    """Apply one change to ``model`` and the same change to ``ref``; returns extra call keywords."""
+    children = [n for n, m in model.named_children() if n != "unused" and any(True for _ in m.parameters())]
+    if kind == "replace" and children:
+        name = children[k % len(children)]
+        new = copy.deepcopy(getattr(model, name))
+        with torch.no_grad():
+            for p in new.parameters():
+                p.mul_(0.5)
+        setattr(model, name, new)
+        setattr(ref, name, copy.deepcopy(new))
+    elif kind == "load_state_dict":
+        with torch.random.fork_rng():
+            torch.manual_seed(k)
+            sd = {n: (v * 0.9 + 0.05 * torch.rand_like(v)) if v.is_floating_point() else v
+                  for n, v in model.state_dict().items()}
+        model.load_state_dict(sd)
+        ref.load_state_dict(sd)
+    elif kind == "add_hook":
+        names = [n for n, _ in model.named_modules() if n and not n.startswith("unused")]
+        if names:
+            name = names[k % len(names)]
+            hook = lambda m, args, out: _scaled(out, 1.25)  # noqa: E731
+            handles.append((model.get_submodule(name).register_forward_hook(hook),
+                            ref.get_submodule(name).register_forward_hook(hook)))
+    elif kind == "remove_hook" and handles:
+        for h in handles.pop():
+            h.remove()
+    elif kind in ("model_train", "model_eval"):
+        model.train(kind == "model_train")  # on the model, not on the instrumented module
+        ref.train(kind == "model_train")
+    elif kind == "keyword":
+        return {"scale": 0.5 + 0.25 * (k % 3)}
+    return {}
+
+
+def _keyword_step(module: nn.Module, x: Tensor, seed: int, kwargs: dict[str, Any]) -> tuple[Any, Tensor | None]:
+    x = x.clone().requires_grad_(x.is_floating_point())
+    torch.manual_seed(seed)
+    out = module(x, **kwargs)
+    tensors = [t for t in flat_tensors(out) if t.is_floating_point() and t.requires_grad]
+    if tensors:
+        sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view(t.shape)).sum() for t in tensors).backward()
+    return out, x.grad
+
+
+def _takes(model: nn.Module, x: Tensor, kwargs: dict[str, Any]) -> bool:
+    """Whether the model runs on this call at all (tried on a copy: the model itself is not run)."""
+    with torch.random.fork_rng(), torch.no_grad():
+        try:
+            copy.deepcopy(model)(x.clone(), **kwargs)
+        except Exception:  # noqa: BLE001 - any failure: the model does not take this call
+            return False
+    return True
+
+
+@FUZZ
+@given(spec=model_specs(faithful=True), frontend=st.sampled_from(["auto", "symbolic", "export", "subtrees"]),
+       mutations=st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=4))
+def test_after_instrument_mutations_never_give_a_stale_answer(spec: ModelSpec, frontend: str,
+                                                              mutations: list[str]) -> None:
+    """The model changes after instrument(): a submodule replaced, a checkpoint loaded, hooks added and
+    removed, modes switched on the model, a new keyword, another batch size. Every call of the
+    instrumented module equals the model's (outputs, input gradient, every parameter's gradient and
+    buffer), or raises a typed fxdebug error; after a refusal the model is instrumented again."""
+    model = build(spec, keyword=True).eval()
+    ref = copy.deepcopy(model)
+    x = spec.example()
+    try:
+        dbg = fxdebug.instrument(model, passes=observe_passes(), example_inputs=(x,), frontend=frontend)
+    except fxdebug.TraceError:
+        assert frontend in ("symbolic", "export")
+        frontend = "auto"
+        dbg = fxdebug.instrument(model, passes=observe_passes(), example_inputs=(x,))
+    handles: list[Any] = []
+    for k, kind in enumerate(mutations):
+        STATS[f"mutation:{kind}"] += 1
+        kwargs = _mutate(kind, model, ref, handles, k)
+        inp = spec.example(batch=spec.in_shape[0] + 1) if kind == "batch" else x
+        if not _takes(ref, inp, kwargs):  # the model itself does not take this call (a shape it fixes)
+            continue
+        try:  # the instrumented module first: a refusal must come before anything runs
+            out, gx = _keyword_step(dbg, inp, spec.seed + k, kwargs)
+        except fxdebug.FxDebugError:  # a typed refusal; instrument the model as it is now and compare that
+            STATS[f"refused-after:{kind}"] += 1
+            again = fxdebug.Inputs(inp, **kwargs)
+            try:
+                dbg = fxdebug.instrument(model, passes=observe_passes(), example_inputs=again, frontend=frontend)
+            except fxdebug.TraceError:  # this frontend refuses the model as it is now (a hooked submodule)
+                assert frontend in ("symbolic", "export"), frontend
+                frontend = "auto"
+                dbg = fxdebug.instrument(model, passes=observe_passes(), example_inputs=again)
+            out, gx = _keyword_step(dbg, inp, spec.seed + k, kwargs)
+        out_ref, gx_ref = _keyword_step(ref, inp, spec.seed + k, kwargs)
+        assert_outputs_equal(out, out_ref)
+        assert (gx is None and gx_ref is None) or torch.equal(gx, gx_ref)
+        assert_same_values(model, ref)

@@ -56,6 +56,7 @@ class _Calls:
     """What one module saw during the recording run."""
 
     calls: list[tuple[tuple[Any, ...], dict[str, Any], Any]] = field(default_factory=list)
+    rng: list[Any] = field(default_factory=list)  # torch's CPU stream as each recorded call began (dropout)
     count: int = 0
     ops: int = 0
     order: int = -1
@@ -88,6 +89,7 @@ def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
     seen: dict[str, _Calls] = {}
     stack: list[_Calls] = []
+    states: list[Any] = []
     order = [0]
 
     def pre(mod: nn.Module, _args: Any) -> None:
@@ -98,17 +100,20 @@ def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         if rec.order < 0:
             rec.order, order[0] = order[0], order[0] + 1
         stack.append(rec)
+        states.append(torch.get_rng_state() if len(rec.calls) < _MAX_CALLS else None)
 
     def post(mod: nn.Module, a: Any, kw: Any, out: Any = _RAISED) -> None:
         path = paths.get(id(mod))
         if path is None or not stack:
             return
         rec = stack.pop()
+        state = states.pop()
         if out is _RAISED:  # torch calls always_call hooks as (mod, args, None) when forward raised
             return
         rec.count += 1
         if len(rec.calls) < _MAX_CALLS:
             rec.calls.append((_clone(tuple(a)), _clone(dict(kw)), _clone(out)))
+            rec.rng.append(state)
 
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post, with_kwargs=True, always_call=True)
@@ -152,7 +157,8 @@ def _capture_one(module: nn.Module, rec: _Calls, options: TraceOptions) -> tuple
             continue
         try:
             with preserved_state(module), torch.no_grad():
-                ok = all(_same(gm(*a, **k), out) for a, k, out in rec.calls)
+                ok = all(_same(_seeded_call(gm, rec.rng[i] if i < len(rec.rng) else None, a, k), out)
+                         for i, (a, k, out) in enumerate(rec.calls))
         except Exception as exc:
             ok = False
             reasons.append(f"{frontend.name}: the captured graph failed on the recorded inputs ({type(exc).__name__})")
@@ -163,6 +169,13 @@ def _capture_one(module: nn.Module, rec: _Calls, options: TraceOptions) -> tuple
             gm.part_inputs = (args, kwargs)  # Part.inputs: this part's inputs for the pass pipeline
             return gm, frontend.name
     return None, "; ".join(reasons)
+
+
+def _seeded_call(gm: nn.Module, state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``gm`` on a recorded call, from the random state that call began in (dropout draws the same mask)."""
+    if state is not None:
+        torch.set_rng_state(state)
+    return gm(*args, **kwargs)
 
 
 def _shapes(call: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -207,21 +220,53 @@ def _select(model: nn.Module, seen: dict[str, _Calls],
     return captured, eager
 
 
-def _shell(module: nn.Module, swaps: dict[str, nn.Module]) -> nn.Module:
-    """A shallow copy of ``module`` with fresh child/parameter/buffer dicts and ``swaps`` applied."""
-    shell = copy.copy(module)
+def _shell(module: nn.Module) -> nn.Module:
+    """A shallow copy of the root with fresh child/parameter/buffer dicts (the same children).
+
+    Made without ``copy.copy``: a parametrized module refuses ``__getstate__`` (and would recurse).
+    """
+    shell = object.__new__(type(module))
+    shell.__dict__.update(module.__dict__)
     shell.__dict__["_fxdebug_original"] = module  # its Python attributes are synced with it at every call
     shell._modules = OrderedDict(module._modules)
     shell._parameters = OrderedDict(module._parameters)
     shell._buffers = OrderedDict(module._buffers)
-    for name, child in module._modules.items():
-        if name in swaps:
-            shell._modules[name] = swaps[name]
-            continue
-        below = {k[len(name) + 1:]: v for k, v in swaps.items() if k.startswith(f"{name}.")}
-        if below and child is not None:
-            shell._modules[name] = _shell(child, below)
     return shell
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _unhooked(part: Instrumented) -> Instrumented:
+    """The part runs inside its module's own call, which runs the module's hooks: the part runs none."""
+    for name in _HOOK_DICTS:
+        if name in part.__dict__:
+            object.__setattr__(part, name, OrderedDict())
+    return part
+
+
+class _Routed:
+    """While the instrumented module runs, a captured module's ``forward`` is its part's graph.
+
+    The model's own module object stays in the tree (``isinstance`` loops, ``model.train()``, its
+    hooks, which its own call runs), and only its ``forward`` is routed, for the duration of the
+    call, to the part. During the part's call the module is itself again, so capturing it again
+    (other modes) sees the user's forward.
+    """
+
+    def __init__(self, module: nn.Module, part: Instrumented) -> None:
+        self.module = module
+        self.part = part
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        d = self.module.__dict__
+        mine = d.pop("forward", None)
+        try:
+            return self.part(*args, **kwargs)
+        finally:
+            if mine is not None:
+                d["forward"] = mine
 
 
 def _adopt_attributes(gm: Instrumented, module: nn.Module) -> None:
@@ -252,7 +297,7 @@ class SubtreeInstrumented(Instrumented):
     _shell: nn.Module
 
     @classmethod
-    def _assemble(cls, shell: nn.Module, parts: Sequence[str], meta: dict[str, Any],
+    def _assemble(cls, shell: nn.Module, parts: dict[str, Instrumented], meta: dict[str, Any],
                   graph: Graph | None = None) -> "SubtreeInstrumented":
         if graph is None:
             graph = Graph()
@@ -263,6 +308,7 @@ class SubtreeInstrumented(Instrumented):
             graph.output(None)
         gm = cls(shell, graph, class_name=meta["fxdebug"]["model_type"])
         object.__setattr__(gm, "_shell", shell)
+        gm.__dict__["_fxdebug_parts"] = dict(parts)
         gm._modules, gm._parameters, gm._buffers = shell._modules, shell._parameters, shell._buffers
         gm._non_persistent_buffers_set = shell._non_persistent_buffers_set
         gm.training = shell.training
@@ -276,42 +322,44 @@ class SubtreeInstrumented(Instrumented):
 
     def _eager_forward(self, *args: Any, **kwargs: Any) -> Any:
         # the eager root is a copy of the model's root: it must see dbg.train()/eval() (`if self.training:`)
-        self._shell.__dict__["training"] = self.training
-        copies = self.__dict__.get("_fxdebug_copies")
-        if copies is None:  # the shallow copies _shell made (root, parents of captured parts)
-            copies = [m for m in self._shell.modules() if "_fxdebug_original" in m.__dict__]
-            self.__dict__["_fxdebug_copies"] = copies
-        for c in copies:  # Python state (self.calls += 1) and rebound buffers live on the model
-            original = c.__dict__["_fxdebug_original"]
-            sync_attributes(original, c)
-            sync_tensors(original, c)
+        shell = self._shell
+        shell.__dict__["training"] = self.training
+        original = shell.__dict__.get("_fxdebug_original")
+        if original is not None:  # Python state (self.calls += 1) and rebound buffers live on the model
+            sync_attributes(original, shell)
+            sync_tensors(original, shell)
             # torch keys full vs. legacy backward-hook semantics on a flag of the module object
-            c.__dict__["_is_full_backward_hook"] = original.__dict__.get("_is_full_backward_hook")
-            if c is not self._shell:
-                c.__dict__["training"] = original.training  # model.train() reaches the parents of parts too
+            shell.__dict__["_is_full_backward_hook"] = original.__dict__.get("_is_full_backward_hook")
+        depth = self.__dict__.get("_fxdebug_depth", 0)
+        routed: list[tuple[nn.Module, Any]] = []
+        if depth == 0:  # a nested call (generate calling self) finds the routes in place
+            for path, part in self.parts().items():
+                module = shell.get_submodule(path)
+                routed.append((module, module.__dict__.get("forward")))
+                module.__dict__["forward"] = _Routed(module, part)
+        self.__dict__["_fxdebug_depth"] = depth + 1
         try:
-            return self._shell(*args, **kwargs)
+            return shell(*args, **kwargs)
         finally:
-            for c in copies:
-                sync_attributes(c, c.__dict__["_fxdebug_original"])
-                sync_tensors(c, c.__dict__["_fxdebug_original"], parameters=False)
+            self.__dict__["_fxdebug_depth"] = depth
+            for module, before in reversed(routed):
+                if before is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.__dict__["forward"] = before
+            if original is not None:
+                sync_attributes(shell, original)
+                sync_tensors(shell, original, parameters=False)
 
     def parts(self) -> dict[str, Instrumented]:
         """``{module path: Instrumented}`` for every captured submodule, in execution order."""
-        parts: dict[str, Instrumented] = {}
-        for node in self.graph.nodes:
-            if node.op == "call_module":
-                part = self._shell.get_submodule(str(node.target))
-                assert isinstance(part, Instrumented), f"captured part {node.target} is {type(part).__name__}"
-                parts[str(node.target)] = part
-        return parts
+        return dict(self.__dict__["_fxdebug_parts"])
 
     def replace_part(self, path: str, new: Instrumented) -> "SubtreeInstrumented":
-        if path not in self.parts():
-            raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
-        if new is not self._shell.get_submodule(path):
-            owner, _, name = path.rpartition(".")
-            self._shell.get_submodule(owner)._modules[name] = new
+        parts = self.__dict__["_fxdebug_parts"]
+        if path not in parts:
+            raise KeyError(f"no captured part {path!r}; parts: {list(parts)}")
+        parts[path] = _unhooked(new)
         return self
 
     def _summary_notes(self) -> list[str]:
@@ -326,14 +374,16 @@ class SubtreeInstrumented(Instrumented):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SubtreeInstrumented":
         shell = copy.deepcopy(self._shell, memo)
-        return SubtreeInstrumented._assemble(shell, list(self.parts()), copy.deepcopy(self.meta, memo),
+        parts = {p: copy.deepcopy(part, memo) for p, part in self.parts().items()}
+        return SubtreeInstrumented._assemble(shell, parts, copy.deepcopy(self.meta, memo),
                                              copy.deepcopy(self.graph, memo))
 
     def __reduce__(self) -> Any:
-        return (_load_subtrees, (self._shell, list(self.parts()), self.meta, serialize_graph(self.graph)))
+        return (_load_subtrees, (self._shell, self.parts(), self.meta, serialize_graph(self.graph)))
 
 
-def _load_subtrees(shell: nn.Module, parts: list[str], meta: dict[str, Any], rows: Any) -> SubtreeInstrumented:
+def _load_subtrees(shell: nn.Module, parts: dict[str, Instrumented], meta: dict[str, Any],
+                   rows: Any) -> SubtreeInstrumented:
     return SubtreeInstrumented._assemble(shell, parts, meta, deserialize_graph(rows))
 
 
@@ -361,7 +411,7 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
     order = sorted(captured, key=lambda p: seen[p].order)
     for path in order:
         _adopt_attributes(captured[path][0], model.get_submodule(path))
-    shell = _shell(model, {p: gm for p, (gm, _) in captured.items()})
+    shell = _shell(model)  # the captured modules stay in the tree; their forward is routed to the part per call
     total_params = sum(p.numel() for p in model.parameters())
     covered_params = _params_under(model, order)
     covered_ops = sum(seen[p].ops for p in order)
@@ -381,4 +431,4 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
     info.seconds = time.perf_counter() - start
     meta = {KEY: GraphRecord(trace=info, model_type=type(model).__name__)}
     meta[KEY].extras["part_flow"] = part_flow({p: seen[p].calls[0] for p in order if seen[p].calls})  # the picture's edges
-    return SubtreeInstrumented._assemble(shell, order, meta)
+    return SubtreeInstrumented._assemble(shell, {p: _unhooked(captured[p][0]) for p in order}, meta)
