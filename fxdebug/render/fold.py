@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from fxdebug.render.view import GraphView, VisNode
 
-__all__ = ["CHUNK", "SIZE_OPS", "chunk_long_clusters", "fold_view", "focus_paths"]
+__all__ = ["CHUNK", "SIZE_OPS", "chunk_long_clusters", "fold_view", "focus_paths", "repeat_runs"]
 
 SIZE_OPS = frozenset({"size", "sym_size", "sym_numel", "sym_stride", "dim", "numel"})
 """Ops (by name, without namespace or overload) whose result is a size: plumbing whatever they read."""
@@ -226,6 +226,12 @@ def _runs(view: GraphView, blocks: dict[str, list[VisNode]]) -> list[list[str]]:
     # Outer runs first; a run inside a block that an outer run folds away disappears with it.
     runs.sort(key=lambda r: r[0].count("."))
     return runs
+
+
+def repeat_runs(view: GraphView) -> list[list[str]]:
+    """The runs ``fold_repeats`` would fold (module paths of identical sibling blocks, outer runs
+    first), without folding them: the HTML viewer draws each run as one box that opens into its blocks."""
+    return _runs(view, _blocks(view))
 
 
 def fold_repeats(view: GraphView) -> None:

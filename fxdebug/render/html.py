@@ -8,15 +8,18 @@ box each and are laid out when expanded — so large graphs open quickly. Nothin
 the network.
 
 The view is the SVG's (``render_view``) with the same folds for parameters, asserts and plumbing
-(``render_fold``), but repeated blocks stay separate: in the viewer each can be expanded. A
-cluster's mask/shape plumbing sits in a child cluster of its own, ``(mask/shape plumbing)``, closed
-at first; a cluster with hundreds of nodes of its own shows them in closed runs (``CHUNK``). Folded
-parameter and assert nodes are kept in the data as hidden nodes, so the node count the page shows
-is the graph's.
+(``render_fold``). Repeated blocks are not folded away: the data lists each run of identical sibling
+blocks (``folds``, from ``repeat_runs``) and the viewer draws a run as one box, ``layers.0–79 ×80``,
+that opens into its blocks (a block holding a finding is never in a run). A cluster's mask/shape
+plumbing sits in a child cluster of its own, ``(mask/shape plumbing)``, closed at first; a cluster
+with more than 100 items (nodes or child modules) shows them in closed runs of 100, and runs of
+runs (the viewer does this, so each layout stays small). Folded parameter and assert nodes are kept
+in the data as hidden nodes, so the node count the page shows is the graph's.
 """
 
 from __future__ import annotations
 
+import gc
 import html
 import json
 import math
@@ -25,7 +28,7 @@ from importlib import resources
 from typing import Any
 
 from fxdebug.errors import UsageError
-from fxdebug.render.fold import fold_asserts, fold_params, focus_paths, place_plumbing
+from fxdebug.render.fold import fold_asserts, fold_params, focus_paths, place_plumbing, repeat_runs
 from fxdebug.render.view import GraphView, VisNode
 
 __all__ = ["ASSETS", "PLUMBING_CLUSTER", "diff_scores", "html_data", "viewer_html", "write_html"]
@@ -67,39 +70,28 @@ def _cluster(v: VisNode) -> str:
     return v.cluster
 
 
-CHUNK = 100
-"""A cluster with more than ``2 * CHUNK`` nodes of its own shows them in closed runs of ``CHUNK``
-consecutive nodes (``(nodes 1–100)``), so a long flat graph still opens with a few boxes."""
+def _node(v: VisNode, index: dict[str, int], hidden: bool, strings: dict[str, int]) -> dict[str, Any]:
+    """One node for the page: the repeated strings (op, kind, module and cluster paths, module type,
+    dtype) as indexes into ``strings``, and only the fields that differ from their defaults (false,
+    empty, none), so a 100k-node page stays small to parse."""
+    def ref(text: str) -> int:
+        return strings.setdefault(text, len(strings))
 
-
-def _chunked(clusters: dict[str, str]) -> dict[str, str]:
-    """``{node: cluster}`` with oversized clusters' own nodes split into runs (graph order kept)."""
-    members: dict[str, list[str]] = {}
-    for name, cluster in clusters.items():
-        members.setdefault(cluster, []).append(name)
-    out = dict(clusters)
-    for cluster, names in members.items():
-        if len(names) <= 2 * CHUNK:
-            continue
-        for start in range(0, len(names), CHUNK):
-            run = names[start:start + CHUNK]
-            label = f"(nodes {start + 1}–{start + len(run)})"
-            for name in run:
-                out[name] = f"{cluster}.{label}" if cluster else label
-    return out
-
-
-def _node(v: VisNode, index: dict[str, int], hidden: bool) -> dict[str, Any]:
-    return {
-        "name": v.name, "op": v.label, "kind": v.kind, "module": v.module, "module_type": v.module_type,
-        "cluster": "" if hidden else _cluster(v), "hidden": hidden,
-        "shape": _jsonable(v.shape), "dtype": v.dtype, "device": v.device, "stats": _jsonable(v.stats),
-        "params": [[t, _jsonable(s)] for t, s, _ in v.params],
-        "inputs": [index[i] for i in v.inputs if i in index],
-        "origin": v.origin, "grad_origin": v.grad_origin, "failed": v.failed, "nonfinite": v.nonfinite,
-        "dead": v.hot_spot, "plumbing": v.plumbing, "probes": v.probes, "added_by": v.added_by,
-        "changed_by": v.changed_by, "notes": v.notes, "source": v.source,
+    out: dict[str, Any] = {
+        "name": v.name, "op": ref(v.label), "kind": ref(v.kind), "module": ref(v.module),
+        "cluster": ref("" if hidden else _cluster(v)),
     }
+    optional = {
+        "module_type": v.module_type and ref(v.module_type), "hidden": hidden, "shape": _jsonable(v.shape),
+        "dtype": v.dtype and ref(str(v.dtype)),
+        "device": v.device, "stats": _jsonable(v.stats), "params": [[t, _jsonable(s)] for t, s, _ in v.params],
+        "inputs": [index[i] for i in v.inputs if i in index], "origin": v.origin, "grad_origin": v.grad_origin,
+        "failed": v.failed, "nonfinite": v.nonfinite, "dead": v.hot_spot, "plumbing": v.plumbing,
+        "probes": v.probes, "added_by": v.added_by, "changed_by": v.changed_by, "notes": v.notes,
+        "source": v.source,
+    }
+    out.update((k, value) for k, value in optional.items() if value or value == 0 and value is not False)
+    return out
 
 
 def diff_scores(diff: Any) -> tuple[dict[str, float], dict[str, str], str | None]:
@@ -134,7 +126,8 @@ def diff_scores(diff: Any) -> tuple[dict[str, float], dict[str, str], str | None
 
 
 def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
-    """The JSON the page reads: nodes (hidden ones too), module types, columns, findings, diff."""
+    """The JSON the page reads: nodes (hidden ones too; repeated strings as indexes into ``strings``),
+    module types, runs of repeated blocks, columns, findings, diff."""
     everything = dict(view.nodes)
     fold_params(view)
     fold_asserts(view)
@@ -142,15 +135,14 @@ def html_data(view: GraphView, diff: Any = None) -> dict[str, Any]:
     view.focus = focus_paths(view)
     index = {name: i for i, name in enumerate(everything)}
     values, texts, first_divergent = diff_scores(diff)
-    nodes = [_node(v, index, name not in view.nodes) for name, v in everything.items()]
-    clusters = _chunked({n["name"]: n["cluster"] for n in nodes if not n["hidden"]})
-    for n in nodes:
-        if not n["hidden"]:
-            n["cluster"] = clusters[n["name"]]
+    strings: dict[str, int] = {}
+    nodes = [_node(v, index, name not in view.nodes, strings) for name, v in everything.items()]
     return {
         "model": view.model_type,
+        "strings": list(strings),
         "nodes": nodes,
         "modules": view.module_types,
+        "folds": repeat_runs(view),
         "columns": [_jsonable(c.to_dict()) for c in view.columns if c.key not in ("node", "module", "op", "shape",
                                                                                     "dtype", "device")],
         "first_nonfinite": view.first_nonfinite,
@@ -218,7 +210,13 @@ def _script(text: str) -> str:
 
 def viewer_html(view: GraphView, diff: Any = None) -> str:
     """The whole page for ``view`` as one string."""
-    data = json.dumps(html_data(view, diff), separators=(",", ":"), allow_nan=False)
+    collecting = gc.isenabled()
+    gc.disable()  # building 100k small dicts would trigger full collections over the whole graph, again and again
+    try:
+        data = json.dumps(html_data(view, diff), separators=(",", ":"), allow_nan=False)
+    finally:
+        if collecting:
+            gc.enable()
     parts = {
         "TITLE": html.escape(view.model_type), "CSS": _asset("viewer.css"),
         "LICENCE": html.escape(_asset("dagre-LICENSE")), "DATA": data.replace("</", "<\\/"),

@@ -229,7 +229,7 @@ def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: boo
         view_nodes[first].origin = True
     if first_grad in view_nodes:
         view_nodes[first_grad].grad_origin = True
-    paths = {p for v in view_nodes.values() for p in _prefixes(v.module)}
+    paths = {p for m in {v.module for v in view_nodes.values()} for p in _prefixes(m)}  # each module once
     model_type = gm.meta.get("fxdebug", {}).get("model_type") if hasattr(gm, "meta") else None
     return GraphView(
         nodes=view_nodes,

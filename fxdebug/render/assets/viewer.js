@@ -2,84 +2,194 @@
  *
  * Reads the graph from <script id="fxdebug-data" type="application/json"> and draws it with
  * dagre's layout. Module clusters start collapsed (one box each) below the levels that fit; a click
- * on a box expands it, a click on an open cluster's title collapses it. Only what is visible is laid
- * out: a collapsed cluster is one box however many nodes it holds, so opening a 10,000-node graph
- * lays out a few dozen boxes, and expanding a cluster lays out that cluster's children in place.
+ * on a box expands it, a click on an open cluster's title collapses it.
+ *
+ * Scale: every open cluster is laid out on its own, as a small flat graph of its direct items (its
+ * nodes, and its child clusters as boxes of their own size), and the layouts nest. dagre therefore
+ * never sees more than CHUNK items at once, however large the graph: a cluster with more items
+ * than that (a long nn.Sequential: thousands of children) shows them in closed runs of CHUNK, and
+ * runs of runs. A layout that is a plain chain is a column, laid out in linear time without dagre. Runs of identical sibling blocks (``layers.0–79 ×80``) are one box until opened; a
+ * block holding a finding stays out of the run. A source that feeds many items of one layout (rotary
+ * cos/sin, an attention mask) is drawn once, with one edge and a "feeds N" line. An action lays out
+ * again only the clusters it changed and their ancestors; the rest come from a cache. Auto-open is
+ * bounded in boxes and in depth. If dagre fails on a layout, that layout falls back to a column.
  *
  * window.fxdebugViewer exposes the same actions the page's controls use (expand, collapse, reveal,
  * search, colourBy), for scripts and tests.
  */
 (function () {
   "use strict";
+  var T0 = performance.now();
   var DATA = JSON.parse(document.getElementById("fxdebug-data").textContent);
+  var timings = {parse: performance.now() - T0};
   var SVGNS = "http://www.w3.org/2000/svg";
-  var AUTO_OPEN = 60; // expand clusters breadth-first while fewer boxes than this are visible
+  var AUTO_OPEN = 60;  // expand clusters breadth-first while fewer boxes than this are visible ...
+  var AUTO_DEPTH = 6;  // ... and no deeper than this many levels
+  var CHUNK = 100;     // a cluster with more than CHUNK items shows them in closed runs of CHUNK
+  var FAN = 6;         // a source feeding more items than this in one layout is drawn with one edge
+  var TITLE = 22;      // height of an open cluster's title bar
   var LINE = 14, CHAR = 6.6, PAD = 8;
 
-  // -- the cluster tree --------------------------------------------------------------------------
+  // -- the cluster tree ----------------------------------------------------------------------------
+  // Items are nodes and clusters; each has .parent (a cluster), .id and .first (graph index).
   var nodes = DATA.nodes;
   var byName = {};
-  nodes.forEach(function (n, i) { n.index = i; byName[n.name] = n; });
-  var clusters = {"": {path: "", parent: null, children: [], nodes: [], count: 0, depth: 0}};
-  function cluster(path) {
+  var STRINGS = DATA.strings || [];
+  function str(v) { return typeof v === "number" ? STRINGS[v] : v; }
+  nodes.forEach(function (n, i) {  // repeated strings come as indexes; fields at their defaults are left out
+    n.index = i; byName[n.name] = n; n.id = "n:" + n.name;
+    n.ci = n.cluster;
+    n.module = str(n.module) || ""; n.cluster = str(n.cluster) || "";
+    n.op = str(n.op); n.kind = str(n.kind); n.module_type = str(n.module_type); n.dtype = str(n.dtype);
+    if (!n.inputs) n.inputs = [];
+  });
+  function newCluster(path, parent, first) {
+    return {path: path, parent: parent, items: [], count: 0, depth: 0, first: first, isCluster: true,
+            id: "c:" + path, virtual: false, title: null, layout: null, dirty: true};
+  }
+  var clusters = {"": newCluster("", null, 0)};
+  function cluster(path, first) {
     if (clusters[path]) return clusters[path];
     var cut = path.lastIndexOf(".");
-    var parentPath = cut < 0 ? "" : path.slice(0, cut);
-    var parent = cluster(parentPath);
-    var c = {path: path, parent: parent, children: [], nodes: [], count: 0, depth: parent.depth + 1};
+    var parent = cluster(cut < 0 ? "" : path.slice(0, cut), first);
+    var c = newCluster(path, parent, first);
     clusters[path] = c;
-    parent.children.push(c);
+    parent.items.push(c);
     return c;
   }
-  nodes.forEach(function (n) {
-    if (n.hidden) return;
-    var c = cluster(n.cluster);
-    c.nodes.push(n);
-    for (var p = c; p; p = p.parent) p.count += 1;
-  });
   var shownNodes = nodes.filter(function (n) { return !n.hidden; });
-  function isFinding(n) { return n.origin || n.grad_origin || n.failed; }
-  nodes.forEach(function (n) {
-    if (n.hidden || !(isFinding(n) || n.nonfinite)) return;
-    for (var c = clusters[n.cluster]; c; c = c.parent) {
-      c.nonfinite = c.nonfinite || n.nonfinite;
-      if (isFinding(n)) c.finding = c.finding || n;
-      if (n.origin || n.grad_origin) c.origin = true;
-      if (n.failed) c.failed = true;
-    }
+  var clusterAt = {};  // by the page's path index: no long path is hashed once per node
+  shownNodes.forEach(function (n) {
+    var c = clusterAt[n.ci] || (clusterAt[n.ci] = cluster(n.cluster, n.index));
+    n.parent = c;
+    c.items.push(n);
   });
-  nodes.forEach(function (n) {
-    if (n.hidden || !n.dead) return;
-    for (var c = clusters[n.cluster]; c; c = c.parent) c.dead = true;
+  function lastPart(path) { return path.slice(path.lastIndexOf(".") + 1); }
+  function virtualCluster(parent, label, members, title) {
+    var path = (parent.path ? parent.path + "." : "") + label;
+    var v = newCluster(path, parent, members[0].first !== undefined ? members[0].first : members[0].index);
+    v.virtual = true;
+    v.title = title || path;
+    v.items = members;
+    members.forEach(function (m) { m.parent = v; });
+    clusters[path] = v;
+    return v;
+  }
+  function firstOf(it) { return it.isCluster ? it.first : it.index; }
+
+  // Runs of identical sibling blocks (computed by fxdebug.render.fold from the ops and their wiring).
+  (DATA.folds || []).forEach(function (run) {
+    var cs = run.map(function (p) { return clusters[p]; });
+    if (cs.length < 2 || cs.some(function (c) { return !c || c.virtual || c.parent !== cs[0].parent; })) return;
+    var parent = cs[0].parent;
+    var members = {};
+    cs.forEach(function (c) { members[c.path] = true; });
+    var at = parent.items.indexOf(cs[0]);
+    var label = "(" + lastPart(run[0]) + "–" + lastPart(run[run.length - 1]) + " ×" + run.length + ")";
+    var fold = virtualCluster(parent, label, cs, run[0] + "–" + lastPart(run[run.length - 1]) + " ×" + run.length);
+    fold.fold = run.length;
+    fold.type = DATA.modules[run[0]];
+    var kept = parent.items.filter(function (it) { return !(it.isCluster && members[it.path]); });
+    kept.splice(Math.min(at, kept.length), 0, fold);
+    parent.items = kept;
   });
 
+  // Long clusters: runs of CHUNK items, then runs of runs, until a layout holds at most CHUNK items.
+  function chunk(c) {
+    var level = 0;
+    while (c.items.length > CHUNK) {
+      var out = [];
+      for (var s = 0; s < c.items.length; s += CHUNK) {
+        var members = c.items.slice(s, s + CHUNK);
+        var allNodes = members.every(function (it) { return !it.isCluster || it.allNodes; });
+        var lo = level === 0 ? s + 1 : members[0].run[0];
+        var hi = level === 0 ? s + members.length : members[members.length - 1].run[1];
+        var label = "(" + (allNodes ? "nodes " : "items ") + lo + "–" + hi + ")";
+        var v = virtualCluster(c, label, members, (c.path ? c.path + " " : "") + label);
+        v.run = [lo, hi];
+        v.allNodes = allNodes;
+        out.push(v);
+      }
+      c.items = out;
+      level += 1;
+    }
+  }
+  Object.keys(clusters).forEach(function (p) { chunk(clusters[p]); });
+
+  // Depths (iteratively: nesting can be deep), counts and findings.
+  var order = [clusters[""]];
+  for (var qi = 0; qi < order.length; qi++) {
+    order[qi].items.forEach(function (it) {
+      if (it.isCluster) { it.depth = order[qi].depth + 1; order.push(it); }
+      else it.depth = order[qi].depth + 1;
+    });
+  }
+  function isFinding(n) { return n.origin || n.grad_origin || n.failed; }
+  shownNodes.forEach(function (n) {  // each node marks its own cluster; then one pass carries it all up
+    var c = n.parent;
+    c.count += 1;
+    if (n.nonfinite) c.nonfinite = true;
+    if (isFinding(n) && !c.finding) c.finding = n;
+    if (n.origin || n.grad_origin) c.origin = true;
+    if (n.failed) c.failed = true;
+    if (n.dead) c.dead = true;
+  });
+  for (var oi = order.length - 1; oi > 0; oi--) {
+    var k = order[oi], up = k.parent;
+    up.count += k.count;
+    up.nonfinite = up.nonfinite || k.nonfinite;
+    if (k.finding && (!up.finding || k.finding.index < up.finding.index)) up.finding = k.finding;
+    up.origin = up.origin || k.origin;
+    up.failed = up.failed || k.failed;
+    up.dead = up.dead || k.dead;
+  }
+
+  // Every edge belongs to one layout: the cluster holding both ends' items (their lowest common ancestor).
+  var edgesAt = {};
+  function lift(a, b) {
+    while (a.depth > b.depth) a = a.parent;
+    while (b.depth > a.depth) b = b.parent;
+    while (a.parent !== b.parent) { a = a.parent; b = b.parent; }
+    return a === b ? null : [a, b];
+  }
+  shownNodes.forEach(function (v) {
+    v.inputs.forEach(function (i) {
+      var u = nodes[i];
+      if (!u || u.hidden) return;
+      var e = lift(u, v);
+      if (!e) return;
+      var key = e[0].parent.path;
+      (edgesAt[key] = edgesAt[key] || []).push(e);
+    });
+  });
+
+  timings.tree = performance.now() - T0 - timings.parse;
   var expanded = {"": true};
+  function isPlumbing(c) { return !c.virtual && lastPart(c.path).indexOf("(mask") === 0; }
   (function autoOpen() {
-    var visible = clusters[""].children.length + clusters[""].nodes.length;
-    var queue = clusters[""].children.slice();
-    while (queue.length) {
-      var c = queue.shift();
-      if (c.path.slice(c.path.lastIndexOf(".") + 1).indexOf("(mask") === 0) continue; // plumbing stays closed
-      var grow = c.children.length + c.nodes.length - 1;
+    var visible = clusters[""].items.length;
+    var queue = clusters[""].items.filter(function (it) { return it.isCluster; });
+    for (var i = 0; i < queue.length; i++) {
+      var c = queue[i];
+      if (c.virtual || isPlumbing(c) || c.depth > AUTO_DEPTH) continue;  // runs, folds and plumbing open on demand
+      var grow = c.items.length - 1;
       if (visible + grow > AUTO_OPEN) continue;
       expanded[c.path] = true;
       visible += grow;
-      queue = queue.concat(c.children);
+      c.items.forEach(function (it) { if (it.isCluster) queue.push(it); });
     }
   })();
-
-  // -- what is visible ---------------------------------------------------------------------------
-  function itemOf(n) {
-    // the outermost collapsed cluster holding n, or n itself
-    var chain = [];
-    for (var c = clusters[n.cluster]; c && c.path !== ""; c = c.parent) chain.push(c);
-    for (var i = chain.length - 1; i >= 0; i--) if (!expanded[chain[i].path]) return "c:" + chain[i].path;
-    return "n:" + n.name;
+  function dirtyUp(c) { for (; c; c = c.parent) c.dirty = true; }
+  function setOpen(c, open) {
+    if (!!expanded[c.path] === open) return;
+    if (open) expanded[c.path] = true; else delete expanded[c.path];
+    dirtyUp(c.parent);
   }
 
   // -- colour -------------------------------------------------------------------------------------
   var colourKey = "";
   var range = null;
+  var clusterValues = {};
   function numeric(v) { return typeof v === "number" && isFinite(v); }
   function valueOf(n, key) {
     if (key.indexOf("diff:") === 0) return DATA.diff ? DATA.diff[n.name] : undefined;
@@ -87,11 +197,9 @@
   }
   function computeRange(key) {
     if (key.indexOf("diff:") === 0) return {lo: 0, hi: 1};  // scores: divergence / (10 rtol), capped at 1
-    var vals = [];
-    shownNodes.forEach(function (n) { var v = valueOf(n, key); if (numeric(v)) vals.push(v); });
-    if (!vals.length) return null;
-    vals.sort(function (a, b) { return a - b; });
-    return {lo: vals[0], hi: vals[vals.length - 1], sorted: vals};
+    var lo = Infinity, hi = -Infinity;
+    shownNodes.forEach(function (n) { var v = valueOf(n, key); if (numeric(v)) { lo = Math.min(lo, v); hi = Math.max(hi, v); } });
+    return lo <= hi ? {lo: lo, hi: hi} : null;
   }
   function heat(v) {
     if (!range || !numeric(v)) return null;
@@ -99,13 +207,17 @@
     var r = 255, g = Math.round(245 - 170 * t), b = Math.round(235 - 215 * t);
     return "rgb(" + r + "," + g + "," + b + ")";
   }
-  function clusterValue(c, key) {
-    var best;
-    (function walk(k) {
-      k.nodes.forEach(function (n) { var v = valueOf(n, key); if (numeric(v) && (best === undefined || v > best)) best = v; });
-      k.children.forEach(walk);
-    })(c);
-    return best;
+  function computeClusterValues(key) {
+    clusterValues = {};
+    if (!key) return;
+    shownNodes.forEach(function (n) {
+      var v = valueOf(n, key), p = n.parent.path;
+      if (numeric(v) && (!(p in clusterValues) || v > clusterValues[p])) clusterValues[p] = v;
+    });
+    for (var i = order.length - 1; i > 0; i--) {
+      var k = order[i], v = clusterValues[k.path], up = k.parent.path;
+      if (numeric(v) && (!(up in clusterValues) || v > clusterValues[up])) clusterValues[up] = v;
+    }
   }
   function findingClass(x) {
     if (x.origin || x.grad_origin) return "origin";
@@ -115,13 +227,13 @@
     return "";
   }
 
-  // -- layout and drawing --------------------------------------------------------------------------
+  // -- layout --------------------------------------------------------------------------------------
   var svg = document.getElementById("canvas");
   var root = document.createElementNS(SVGNS, "g");
   svg.appendChild(root);
   var view = {x: 0, y: 0, k: 1};
   var selected = null;
-  var lastLayoutMs = 0;
+  var lastLayoutMs = 0, layoutsRun = 0, largestLayout = 0;
 
   function el(tag, attrs, parent) {
     var e = document.createElementNS(SVGNS, tag);
@@ -130,13 +242,14 @@
     return e;
   }
   function fmt(v) {
+    if (v === null || v === undefined) return "–";
     if (typeof v !== "number") return String(v);
     if (!isFinite(v)) return String(v);
     if (v === Math.round(v) && Math.abs(v) < 1e6) return String(v);
     var a = Math.abs(v);
     return a !== 0 && (a < 1e-3 || a >= 1e4) ? v.toExponential(2) : v.toPrecision(4).replace(/\.?0+$/, "");
   }
-  function shapeText(s) { return s ? "(" + s.join(", ") + ")" : ""; }
+  function shapeText(s) { return s ? "(" + s.map(function (d) { return d === null ? "?" : d; }).join(", ") + ")" : ""; }
   function nodeLines(n) {
     var head = n.kind === "placeholder" ? "input " + n.name : n.kind === "output" ? "output" : n.name + " : " + n.op;
     var lines = [head];
@@ -147,12 +260,17 @@
     else if (n.failed) lines.push("FAILED check");
     return lines;
   }
-  function clusterLines(c) {
+  function clusterTitle(c) {
+    if (c.fold) return c.title + (c.type ? " : " + c.type : "");
+    if (c.virtual) return c.title;
     var typ = DATA.modules[c.path];
-    var lines = [c.path + (typ ? " : " + typ : ""), c.count + " nodes  [+]"];
+    return c.path + (typ ? " : " + typ : "");
+  }
+  function clusterLines(c) {
+    var lines = [clusterTitle(c), c.count + " nodes" + (c.fold ? " in " + c.fold + " identical blocks" : "") + "  [+]"];
     if (c.finding) lines.push((c.finding.failed && !c.finding.origin ? "FAILED: " : "ORIGIN inside: ") + c.finding.name);
     else if (c.nonfinite) lines.push("NaN/Inf inside");
-    if (colourKey && numeric(clusterValue(c, colourKey))) lines.push("max " + colourKey + " " + fmt(clusterValue(c, colourKey)));
+    if (colourKey && numeric(clusterValues[c.path])) lines.push("max " + colourKey + " " + fmt(clusterValues[c.path]));
     return lines;
   }
   function boxSize(lines) {
@@ -161,115 +279,144 @@
     return {width: Math.min(420, w * CHAR + 2 * PAD), height: lines.length * LINE + PAD};
   }
 
-  function layout() {
-    var t0 = performance.now();
-    var g = new dagre.graphlib.Graph({compound: true, multigraph: false});
-    g.setGraph({rankdir: "TB", nodesep: 18, ranksep: 28, marginx: 20, marginy: 20});
-    g.setDefaultEdgeLabel(function () { return {}; });
-    var items = {};
-    function addCluster(c) {
-      c.children.forEach(function (k) {
-        if (expanded[k.path]) {
-          g.setNode("g:" + k.path, {kind: "open", cluster: k, paddingTop: 24});
-          if (c.path !== "") g.setParent("g:" + k.path, "g:" + c.path);
-          addCluster(k);
-        } else {
-          var lines = clusterLines(k);
-          var s = boxSize(lines);
-          g.setNode("c:" + k.path, {kind: "box", cluster: k, lines: lines, width: s.width, height: s.height});
-          items["c:" + k.path] = true;
-          if (c.path !== "") g.setParent("c:" + k.path, "g:" + c.path);
-        }
-      });
-      c.nodes.forEach(function (n) {
-        var lines = nodeLines(n);
-        var s = boxSize(lines);
-        g.setNode("n:" + n.name, {kind: "node", node: n, lines: lines, width: s.width, height: s.height});
-        items["n:" + n.name] = true;
-        if (c.path !== "") g.setParent("n:" + n.name, "g:" + c.path);
-      });
-    }
-    addCluster(clusters[""]);
-    var rep = {};
-    shownNodes.forEach(function (n) { rep[n.name] = itemOf(n); });
-    shownNodes.forEach(function (n) {
-      var dst = rep[n.name];
-      n.inputs.forEach(function (i) {
-        var src = rep[nodes[i].name];
-        if (src && dst && src !== dst && items[src] && items[dst] && !g.hasEdge(src, dst)) g.setEdge(src, dst, {});
-      });
+  function edgesOf(c) {
+    // this layout's edges (deduplicated) and its fans: a source feeding more than FAN items keeps one edge
+    var raw = edgesAt[c.path] || [], seen = {}, bySrc = {}, list = [];
+    raw.forEach(function (e) {
+      var key = e[0].id + ">" + e[1].id;
+      if (seen[key]) return;
+      seen[key] = true;
+      (bySrc[e[0].id] = bySrc[e[0].id] || []).push(e);
     });
-    // A compound node with no children makes dagre fail: give empty open clusters a placeholder.
-    g.nodes().forEach(function (id) {
-      if (id.indexOf("g:") === 0 && !(g.children(id) || []).length) {
-        g.setNode(id + "/empty", {kind: "empty", width: 40, height: 10});
-        g.setParent(id + "/empty", id);
+    var fans = {};
+    Object.keys(bySrc).forEach(function (src) {
+      var out = bySrc[src];
+      if (out.length > FAN) {
+        out.sort(function (a, b) { return firstOf(a[1]) - firstOf(b[1]); });
+        fans[src] = out.length;
+        list.push(out[0]);
+      } else list.push.apply(list, out);
+    });
+    return {list: list, fans: fans};
+  }
+  function columnLayout(items, sizes, edges) {
+    // the fallback: one column, in graph order (never fails, never recurses)
+    var pos = {}, y = 12, w = 0;
+    items.forEach(function (it) { w = Math.max(w, sizes[it.id].width); });
+    items.forEach(function (it) {
+      var s = sizes[it.id];
+      pos[it.id] = {x: 12 + w / 2, y: y + s.height / 2, width: s.width, height: s.height};
+      y += s.height + 20;
+    });
+    var lines = edges.map(function (e) {
+      var a = pos[e[0].id], b = pos[e[1].id];
+      return [{x: a.x, y: a.y + a.height / 2}, {x: b.x, y: b.y - b.height / 2}];
+    });
+    return {width: w + 24, height: y, pos: pos, edges: lines};
+  }
+  function layoutCluster(c) {
+    if (c.layout && !c.dirty) return c.layout;
+    var items = c.items, sizes = {};
+    var edges = edgesOf(c);
+    items.forEach(function (it) {
+      if (it.isCluster && expanded[it.path]) {
+        var inner = layoutCluster(it);
+        var title = "[−] " + clusterTitle(it) + (edges.fans[it.id] ? " — feeds " + edges.fans[it.id] + " of these (drawn once)" : "");
+        sizes[it.id] = {width: Math.max(inner.width, title.length * CHAR + 24), height: inner.height + TITLE, open: true, title: title};
+      } else {
+        var lines = it.isCluster ? clusterLines(it) : nodeLines(it);
+        if (edges.fans[it.id]) lines.push("feeds " + edges.fans[it.id] + " of these (drawn once)");
+        var s = boxSize(lines);
+        sizes[it.id] = {width: s.width, height: s.height, lines: lines};
       }
     });
-    dagre.layout(g);
-    lastLayoutMs = performance.now() - t0;
-    return g;
+    var result, at = {};
+    items.forEach(function (it, i) { at[it.id] = i; });
+    var chain = edges.list.every(function (e) { return at[e[1].id] === at[e[0].id] + 1; });
+    if (chain) {  // a plain chain (a long Sequential): a column is dagre's answer, in linear time
+      result = columnLayout(items, sizes, edges.list);
+    } else try {
+      var g = new dagre.graphlib.Graph({multigraph: false});
+      g.setGraph({rankdir: "TB", nodesep: 18, ranksep: 28, marginx: 12, marginy: 12});
+      g.setDefaultEdgeLabel(function () { return {}; });
+      items.forEach(function (it) { g.setNode(it.id, {width: sizes[it.id].width, height: sizes[it.id].height}); });
+      edges.list.forEach(function (e) { g.setEdge(e[0].id, e[1].id, {}); });
+      dagre.layout(g);
+      var pos = {};
+      items.forEach(function (it) { var d = g.node(it.id); pos[it.id] = {x: d.x, y: d.y, width: d.width, height: d.height}; });
+      var lines = g.edges().map(function (e) { return g.edge(e).points || []; });
+      var gg = g.graph();
+      result = {width: gg.width || 40, height: gg.height || 20, pos: pos, edges: lines};
+    } catch (err) {
+      if (window.console) console.warn("fxdebug viewer: dagre failed on " + (c.path || "<root>") + " (" + err + "); one column instead");
+      result = columnLayout(items, sizes, edges.list);
+    }
+    result.sizes = sizes;
+    c.layout = result;
+    c.dirty = false;
+    layoutsRun += 1;
+    largestLayout = Math.max(largestLayout, items.length);
+    return result;
   }
 
+  // -- drawing -------------------------------------------------------------------------------------
   function draw() {
-    var g = layout();
+    var t0 = performance.now();
+    var top = layoutCluster(clusters[""]);
+    lastLayoutMs = performance.now() - t0;
     while (root.firstChild) root.removeChild(root.firstChild);
     var layerClusters = el("g", {"class": "clusters"}, root);
     var layerEdges = el("g", {"class": "edges"}, root);
     var layerNodes = el("g", {"class": "nodes"}, root);
     var count = 0, boxes = 0;
-    g.nodes().forEach(function (id) {
-      var d = g.node(id);
-      if (!d || d.kind !== "open") return;
-      var c = d.cluster;
-      var grp = el("g", {"class": "cluster open " + findingClass(c), "data-cluster": c.path}, layerClusters);
-      el("rect", {x: d.x - d.width / 2, y: d.y - d.height / 2, width: d.width, height: d.height, rx: 6}, grp);
-      var typ = DATA.modules[c.path];
-      var title = el("text", {x: d.x - d.width / 2 + 8, y: d.y - d.height / 2 + 15, "class": "ctitle"}, grp);
-      title.textContent = "[−] " + c.path + (typ ? " : " + typ : "");
-      title.addEventListener("click", function (ev) { ev.stopPropagation(); collapse(c.path); });
-    });
-    g.edges().forEach(function (e) {
-      var pts = g.edge(e).points || [];
-      if (!pts.length) return;
-      var dstr = "M" + pts.map(function (p) { return p.x.toFixed(1) + "," + p.y.toFixed(1); }).join(" L");
-      el("path", {d: dstr, "class": "edge", "marker-end": "url(#arrow)"}, layerEdges);
-    });
-    g.nodes().forEach(function (id) {
-      var d = g.node(id);
-      if (!d || (d.kind !== "node" && d.kind !== "box")) return;
-      var x0 = d.x - d.width / 2, y0 = d.y - d.height / 2;
-      var grp, fill = null;
-      if (d.kind === "node") {
-        var n = d.node;
-        count += 1;
-        grp = el("g", {"class": "node " + findingClass(n) + (n.kind === "placeholder" || n.kind === "output" ? " io" : "")
-          + (selected === n.name ? " selected" : ""), "data-node": n.name}, layerNodes);
-        if (colourKey) fill = heat(valueOf(n, colourKey));
-        grp.addEventListener("click", function (ev) { ev.stopPropagation(); select(n.name); });
-        el("title", {}, grp).textContent = n.name + " (" + (n.module || "<root>") + ")";
-      } else {
-        var c = d.cluster;
-        boxes += 1;
-        grp = el("g", {"class": "cluster box " + findingClass(c), "data-cluster": c.path}, layerNodes);
-        if (colourKey) fill = heat(clusterValue(c, colourKey));
-        grp.addEventListener("click", function (ev) { ev.stopPropagation(); expand(c.path); });
-        el("title", {}, grp).textContent = "click to expand " + c.path;
-      }
-      var rect = el("rect", {x: x0, y: y0, width: d.width, height: d.height, rx: d.kind === "node" ? 4 : 2}, grp);
-      if (fill && !grp.getAttribute("class").match(/origin|failed/)) rect.setAttribute("style", "fill:" + fill);
-      d.lines.forEach(function (line, i) {
-        var t = el("text", {x: x0 + PAD, y: y0 + PAD / 2 + LINE * (i + 1) - 3}, grp);
-        t.textContent = line;
+    var stack = [[clusters[""], 0, 0]];
+    while (stack.length) {  // iterative: nesting can be deep
+      var frame = stack.pop(), c = frame[0], ox = frame[1], oy = frame[2], L = c.layout;
+      L.edges.forEach(function (pts) {
+        if (!pts.length) return;
+        var dstr = "M" + pts.map(function (p) { return (p.x + ox).toFixed(1) + "," + (p.y + oy).toFixed(1); }).join(" L");
+        el("path", {d: dstr, "class": "edge", "marker-end": "url(#arrow)"}, layerEdges);
       });
-    });
-    var gg = g.graph();
-    svg.setAttribute("data-width", Math.round(gg.width || 0));
-    svg.setAttribute("data-height", Math.round(gg.height || 0));
+      c.items.forEach(function (it) {
+        var p = L.pos[it.id], s = L.sizes[it.id];
+        var x0 = ox + p.x - p.width / 2, y0 = oy + p.y - p.height / 2;
+        if (s.open) {
+          var grp = el("g", {"class": "cluster open " + findingClass(it), "data-cluster": it.path}, layerClusters);
+          el("rect", {x: x0, y: y0, width: p.width, height: p.height, rx: 6}, grp);
+          var title = el("text", {x: x0 + 8, y: y0 + 15, "class": "ctitle"}, grp);
+          title.textContent = s.title;
+          title.addEventListener("click", function (ev) { ev.stopPropagation(); collapse(it.path); });
+          stack.push([it, x0 + (p.width - it.layout.width) / 2, y0 + TITLE]);
+          return;
+        }
+        var fill = null, grp2;
+        if (!it.isCluster) {
+          count += 1;
+          grp2 = el("g", {"class": "node " + findingClass(it) + (it.kind === "placeholder" || it.kind === "output" ? " io" : "")
+            + (selected === it.name ? " selected" : ""), "data-node": it.name}, layerNodes);
+          if (colourKey) fill = heat(valueOf(it, colourKey));
+          grp2.addEventListener("click", function (ev) { ev.stopPropagation(); select(it.name); });
+          el("title", {}, grp2).textContent = it.name + " (" + (it.module || "<root>") + ")";
+        } else {
+          boxes += 1;
+          grp2 = el("g", {"class": "cluster box " + findingClass(it) + (it.virtual ? " run" : ""), "data-cluster": it.path}, layerNodes);
+          if (colourKey) fill = heat(clusterValues[it.path]);
+          grp2.addEventListener("click", function (ev) { ev.stopPropagation(); expand(it.path); });
+          el("title", {}, grp2).textContent = "click to expand " + clusterTitle(it);
+        }
+        var rect = el("rect", {x: x0, y: y0, width: p.width, height: p.height, rx: it.isCluster ? 2 : 4}, grp2);
+        if (fill && !/origin|failed/.test(grp2.getAttribute("class"))) rect.setAttribute("style", "fill:" + fill);
+        s.lines.forEach(function (line, i) {
+          var t = el("text", {x: x0 + PAD, y: y0 + PAD / 2 + LINE * (i + 1) - 3}, grp2);
+          t.textContent = line;
+        });
+      });
+    }
+    svg.setAttribute("data-width", Math.round(top.width || 0));
+    svg.setAttribute("data-height", Math.round(top.height || 0));
     document.getElementById("visible").textContent = "drawn: " + count + " nodes, " + boxes + " closed modules ("
-      + Math.round(lastLayoutMs) + " ms)";
+      + Math.round(lastLayoutMs) + " ms layout)";
     applyView();
-    return g;
   }
 
   // -- pan and zoom --------------------------------------------------------------------------------
@@ -289,13 +436,15 @@
     view.x = mx - (mx - view.x) * f; view.y = my - (my - view.y) * f; view.k *= f; applyView();
   }, {passive: false});
   function fit(minScale) {
-    // the whole picture on screen, or (minScale) no smaller than that, from the top
+    // the whole picture on screen, or (minScale) no smaller than that: centred when it fits, else from
+    // the top-left corner (where the inputs are), never off the left edge
     var gw = +svg.getAttribute("data-width"), gh = +svg.getAttribute("data-height");
     var r = svg.getBoundingClientRect();
     if (!gw || !gh || !r.width || !r.height) return;
     var floor = typeof minScale === "number" ? minScale : 0.05;
     view.k = Math.max(floor, Math.min(1.5, Math.min(r.width / gw, r.height / gh)));
-    view.x = (r.width - gw * view.k) / 2;
+    view.x = Math.max(10, (r.width - gw * view.k) / 2);
+    if (gw * view.k + 20 > r.width) view.x = 10;
     view.y = Math.max(0, (r.height - gh * view.k) / 2);
     applyView();
   }
@@ -310,21 +459,32 @@
   }
 
   // -- actions ---------------------------------------------------------------------------------------
+  function openChain(c) { for (; c; c = c.parent) setOpen(c, true); }
   function expand(path) {
-    for (var c = clusters[path]; c; c = c.parent) expanded[c.path] = true;
+    var c = clusters[path];
+    if (!c) return false;
+    openChain(c);
     draw();
     centre('[data-cluster="' + cssEscape(path) + '"]');
+    return true;
   }
   function collapse(path) {
-    Object.keys(expanded).forEach(function (p) { if (p === path || p.indexOf(path + ".") === 0) delete expanded[p]; });
-    expanded[""] = true;
+    var c = clusters[path];
+    if (!c || path === "") return false;
+    var below = [c];
+    for (var i = 0; i < below.length; i++) {
+      var k = below[i];
+      if (expanded[k.path]) setOpen(k, false);
+      k.items.forEach(function (it) { if (it.isCluster && expanded[it.path]) below.push(it); });
+    }
     draw();
     centre('[data-cluster="' + cssEscape(path) + '"]');
+    return true;
   }
   function reveal(name) {
     var n = byName[name];
-    if (!n) return false;
-    for (var c = clusters[n.cluster]; c; c = c.parent) expanded[c.path] = true;
+    if (!n || n.hidden) return false;
+    openChain(n.parent);
     selected = name;
     draw();
     view.k = Math.max(view.k, 1);  // readable at the node
@@ -357,17 +517,18 @@
     var t = document.createElement("table"); t.id = "node-table"; panel.appendChild(t);
     row(t, "op", n.op + " (" + n.kind + ")");
     row(t, "module", (n.module || "<root>") + (n.module_type ? " (" + n.module_type + ")" : ""));
-    if (n.shape) row(t, "shape", shapeText(n.shape) + " " + (n.dtype || "") + " " + (n.device || ""));
+    if (n.shape) row(t, "shape", [shapeText(n.shape), n.dtype, n.device].filter(Boolean).join(" "));
     if (n.origin) row(t, "finding", "NaN/Inf ORIGIN: first node that turned finite inputs into NaN/Inf", "bad");
     if (n.grad_origin) row(t, "finding", "NaN/Inf gradient ORIGIN", "bad");
     if (n.failed) row(t, "FAILED", n.failed, "bad");
     (n.params || []).forEach(function (p) { row(t, "reads", p[0] + " " + shapeText(p[1])); });
     (n.inputs || []).forEach(function (i) { var s = nodes[i]; row(t, "input", s.name + " " + shapeText(s.shape)); });
+    var stats = n.stats || {};
     DATA.columns.forEach(function (col) {
-      if (n.stats && col.key in n.stats) row(t, col.label || col.key, fmt(n.stats[col.key]));
+      if (col.key in stats && stats[col.key] !== null) row(t, col.label || col.key, fmt(stats[col.key]));
     });
-    Object.keys(n.stats || {}).sort().forEach(function (k) {
-      if (!DATA.columns.some(function (c) { return c.key === k; })) row(t, k, fmt(n.stats[k]));
+    Object.keys(stats).sort().forEach(function (k) {
+      if (stats[k] !== null && !DATA.columns.some(function (c) { return c.key === k; })) row(t, k, fmt(stats[k]));
     });
     if (DATA.diff_text && n.name in DATA.diff_text) row(t, "diff", DATA.diff_text[n.name], DATA.diff_first === n.name ? "bad" : "");
     if (n.probes && n.probes.length) row(t, "observed by", n.probes.join(", "));
@@ -405,10 +566,15 @@
 
   // -- colour by -----------------------------------------------------------------------------------
   var choose = document.getElementById("colour");
-  var keys = [];
-  DATA.columns.forEach(function (c) { if (keys.indexOf(c.key) < 0) keys.push(c.key); });
-  shownNodes.forEach(function (n) { Object.keys(n.stats || {}).forEach(function (k) { if (keys.indexOf(k) < 0) keys.push(k); }); });
-  keys = keys.filter(function (k) { return shownNodes.some(function (n) { return numeric(valueOf(n, k)); }); });
+  var keys = [], seenKey = {};
+  function addKey(k) { if (!seenKey[k]) { seenKey[k] = true; keys.push(k); } }
+  DATA.columns.forEach(function (c) { addKey(c.key); });
+  var numericKey = {};
+  shownNodes.forEach(function (n) {
+    var st = n.stats || {};
+    for (var k in st) { addKey(k); if (numeric(st[k])) numericKey[k] = true; }
+  });
+  keys = keys.filter(function (k) { return numericKey[k]; });
   if (DATA.diff) keys.unshift("diff:" + (DATA.diff_label || "diff"));
   keys.forEach(function (k) {
     var o = document.createElement("option"); o.value = k; o.textContent = k; choose.appendChild(o);
@@ -416,9 +582,11 @@
   function colourBy(key) {
     colourKey = key || "";
     range = colourKey ? computeRange(colourKey) : null;
+    computeClusterValues(colourKey);
     choose.value = colourKey;
     var legend = document.getElementById("scale");
     legend.textContent = range ? colourKey + ": " + fmt(range.lo) + " … " + fmt(range.hi) : "";
+    Object.keys(clusters).forEach(function (p) { clusters[p].dirty = true; });  // every box's lines change
     draw();
   }
   choose.addEventListener("change", function () { colourBy(choose.value); });
@@ -439,20 +607,35 @@
   if (DATA.diff_first && byName[DATA.diff_first]) finding("first divergent", DATA.diff_first, "failed");
   if (!findings.childNodes.length) findings.textContent = "no NaN/Inf, no failed check";
 
-  document.getElementById("title").textContent = DATA.model;
+  document.getElementById("title").textContent = DATA.model || "";
   document.getElementById("node-count").textContent = String(nodes.length);
   document.getElementById("op-count").textContent = String(shownNodes.length);
-  document.getElementById("module-count").textContent = String(Object.keys(clusters).length - 1);
+  document.getElementById("module-count").textContent = String(Object.keys(clusters).filter(function (p) {
+    return p && !clusters[p].virtual && !isPlumbing(clusters[p]);
+  }).length);
 
-  if (DATA.diff) { colourKey = keys[0]; range = computeRange(colourKey); choose.value = colourKey; }
-  draw();
-  fit(0.6);
+  if (DATA.diff) { colourKey = keys[0]; range = computeRange(colourKey); computeClusterValues(colourKey); choose.value = colourKey; }
+  try {
+    draw();
+  } catch (err) {  // never a blank page: say what failed where the picture would be
+    var msg = el("text", {x: 20, y: 40, "class": "error"}, root);
+    msg.textContent = "fxdebug viewer: drawing failed (" + err + "); search and the findings still work.";
+    throw err;
+  } finally {
+    fit(0.6);
+    timings.total = performance.now() - T0;
+  }
   window.fxdebugViewer = {
     expand: expand, collapse: collapse, reveal: reveal, search: search, colourBy: colourBy, select: select, fit: fit,
     nodeCount: function () { return nodes.length; },
     drawnNodes: function () { return Array.prototype.map.call(root.querySelectorAll("[data-node]"), function (e) { return e.getAttribute("data-node"); }); },
     drawnClusters: function () { return Array.prototype.map.call(root.querySelectorAll(".cluster.box"), function (e) { return e.getAttribute("data-cluster"); }); },
+    openClusters: function () { return Object.keys(expanded).filter(function (p) { return p; }); },
+    clusterOf: function (name) { var n = byName[name]; return n && n.parent ? n.parent.path : null; },
     lastLayoutMs: function () { return lastLayoutMs; },
+    layoutStats: function () { return {layouts: layoutsRun, largest: largestLayout}; },
+    view: function () { return {x: view.x, y: view.y, k: view.k}; },
+    timings: function () { return timings; },
     ready: true
   };
   document.body.setAttribute("data-ready", "1");
