@@ -172,3 +172,31 @@ def test_the_failure_is_in_the_json():
     failure = json.loads(report.to_json())["failure"]
     assert failure["error"] == "ShapeMismatchError" and failure["node"] == "body"
     assert json.loads(fxdebug.collect(dbg, [x], progress=False).to_json())["failure"] is None
+
+
+class _WithLabels(nn.Module):
+    """A Hugging Face-style forward: the loss is computed inside when ``labels`` are given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.fc(x)
+        if labels is None:
+            return {"logits": logits}
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+def test_dict_batch_keys_the_example_lacked_still_reach_the_model():
+    """B8: a graph captured from {"x"} alone dropped the batch's "labels" silently."""
+    torch.manual_seed(0)
+    model, x = _WithLabels(), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"x": x}, frontend="export")
+    batch = {"x": torch.randn(2, 4), "labels": torch.tensor([0, 2])}
+    args, kwargs = split_batch(batch, dbg)
+    assert args == () and set(kwargs) == {"x", "labels"}
+    losses = []
+    fxdebug.collect(dbg, [batch], loss_fn=lambda out, b: losses.append(out["loss"]) or out["loss"], progress=False)
+    torch.testing.assert_close(losses[0], model(**batch)["loss"])
+    assert split_batch({"x": x, "weights": x}, dbg)[1].keys() == {"x"}  # not an input: stays for loss_fn

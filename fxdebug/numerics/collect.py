@@ -155,7 +155,17 @@ def _step(dbg: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | No
 
 # -- unpacking a batch ----------------------------------------------------------------------------
 def _forward_params(dbg: nn.Module) -> tuple[list[str], int, bool]:
-    """(argument names, how many are required positionally, whether it takes ``**kwargs``)."""
+    """(argument names, how many are required positionally, whether it takes ``**kwargs``).
+
+    The model's own ``forward`` signature when the instrumented module knows its model: a graph
+    captured from example inputs has placeholders for those inputs only, and a batch key the
+    example lacked (``labels``) is still an input of the model (the capture follows the new call).
+    """
+    from fxdebug.instrumented.face import model_of
+
+    model = model_of(dbg)
+    if model is not None and model is not dbg:
+        return _signature_params(model)
     graph = getattr(dbg, "graph", None)
     if graph is not None:
         names, required, var_kw = [], 0, False
@@ -172,7 +182,11 @@ def _forward_params(dbg: nn.Module) -> tuple[list[str], int, bool]:
                 if not n.args:
                     required += 1
         return names, required, var_kw
-    sig = inspect.signature(dbg.forward)
+    return _signature_params(dbg)
+
+
+def _signature_params(module: nn.Module) -> tuple[list[str], int, bool]:
+    sig = inspect.signature(module.forward)
     names = [k for k, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     required = sum(1 for p in sig.parameters.values()
                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
