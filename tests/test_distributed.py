@@ -211,3 +211,22 @@ def test_origin_order_is_call_then_rank_then_execution_order():
     same_rank = [{"rank": 0, "fwd": (2, "b", 7, "")}, {"rank": 0, "fwd": (2, "a", 3, "")}]
     assert _origin(same_rank, "fwd", reverse=False).node == "a"
     assert str(Origin(2, 1, "sqrt")) == "call 2, rank 1, node 'sqrt'"
+
+
+def test_channel_maxima_copies_each_state_table_once(monkeypatch):
+    # The merge was quadratic: channel_maxima copied the whole state table to the host once per node.
+    from torch import nn
+
+    from fxdebug.passes import StatCollector
+    from fxdebug.report.distributed import channel_maxima
+    from fxdebug.runtime.observer import Clock
+
+    model = nn.Sequential(*[m for _ in range(30) for m in (nn.Linear(4, 4), nn.ReLU())])
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(torch.randn(2, 4),))
+    dbg(torch.randn(2, 4))
+    copies = []
+    host_table = Clock.host_table
+    monkeypatch.setattr(Clock, "host_table", lambda self: copies.append(id(self)) or host_table(self))
+    maxima = channel_maxima(dbg)
+    assert len(maxima) >= 30 and all(len(v) == 4 for v in maxima.values())  # per-channel maxima of many nodes
+    assert len(copies) == len(set(copies)) >= 1  # one copy per table (here: per captured part), not per node

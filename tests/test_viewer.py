@@ -145,6 +145,16 @@ def test_tiny_transformer_viewer(browser: Any, tmp_path: Path) -> None:
     assert fxdebug.to_networkx(dbg).nodes[origin]["module"] == "encoder.layer.1.attention.self.key"
     open_page(browser, dbg.render(str(tmp_path / "bert.html")))
     assert int(browser.find_element(By.ID, "node-count").text) == fxdebug.to_networkx(dbg).number_of_nodes()
+    # It opens on screen: wider than the window at the smallest opening scale, it starts at the left edge
+    # (it was centred, so its left part, where the inputs are, sat off screen).
+    left = js(browser, "document.querySelector('#canvas > g').getBoundingClientRect().left"
+                       " - document.getElementById('canvas').getBoundingClientRect().left")
+    assert left >= 0
+    # A statistic the report leaves empty (None) is not printed as a literal 'null'.
+    empty = next(r["node"] for r in dbg.report().rows if any(v is None for v in r.values()))
+    assert js(browser, f"window.fxdebugViewer.reveal({empty!r})")
+    assert "null" not in browser.find_element(By.ID, "details").text
+    assert "null" not in js(browser, "document.getElementById('canvas').textContent")
     assert browser.find_elements(By.CSS_SELECTOR, '.cluster.box[data-cluster$="(mask/shape plumbing)"]')  # closed
     if browser.find_elements(By.CSS_SELECTOR, '[data-cluster="encoder"] .ctitle'):  # opened to fit: close it
         browser.execute_script("document.querySelector('[data-cluster=\"encoder\"] .ctitle')"
