@@ -238,28 +238,24 @@ class Guard:
             delattr(opt, "found_inf")
 
     def _restoring_step(self, params: list[Tensor], bad: Tensor, step: Callable[[], Any], params_too: bool = True) -> None:
-        """Run ``step`` between a copy of what it may change and a device-side select back."""
+        """Run ``step`` between a copy of what it may change (into buffers kept from step to step)
+        and ``torch.where(bad, copy, t)`` written back into ``t`` in place."""
         state = self.optimizer.state
-        before: list[tuple[Tensor, Tensor]] = []
+        before: list[Tensor] = []
         keys: dict[int, set[str]] = {}
         for p in params:
             if params_too:
-                before.append((p, p))
+                before.append(p)
             st = state.get(p, {})
             keys[id(p)] = set(st)
-            before.extend((p, v) for v in st.values() if isinstance(v, Tensor))
-        saved = [self._buffer(t) for _, t in before]
-        if saved:
-            torch._foreach_copy_(saved, [t.detach() for _, t in before])
+            before.extend(v for v in st.values() if isinstance(v, Tensor))
+        pairs = [self._buffer(t) for t in before]  # keyed by the parameter / state tensor itself
+        if pairs:
+            torch._foreach_copy_(pairs, [t.detach() for t in before])
         step()
         keep = bad > 0
-        on: dict[torch.device, Tensor] = {}
         with torch.no_grad():
-            for (p, t), old in zip(before, saved):
-                cond = on.get(t.device)
-                if cond is None:
-                    cond = on[t.device] = keep.to(t.device, non_blocking=True)
-                torch.where(cond, old, t.detach(), out=t.detach())  # in place: no new tensor per step
+            self._select_back([t.detach() for t in before], pairs, keep)
             for p in params:  # entries this step created: back to what they would start from
                 st = state.get(p, {})
                 for k, v in st.items():
@@ -267,7 +263,16 @@ class Guard:
                         init = torch.full_like(v, _INITIAL.get(k, 0.0))
                         torch.where(keep.to(v.device), init, v.detach(), out=v.detach())
 
+    def _select_back(self, tensors: list[Tensor], saved: list[Tensor], keep: Tensor) -> None:
+        rows: dict[torch.device, Tensor] = {}
+        for t, old in zip(tensors, saved):
+            cond = rows.get(t.device)
+            if cond is None:
+                cond = rows[t.device] = keep.to(t.device, non_blocking=True)
+            torch.where(cond, old, t, out=t)  # in place: no new tensor per step
+
     def _buffer(self, t: Tensor) -> Tensor:
+        """The persistent copy buffer of ``t`` (a parameter or an optimizer state tensor)."""
         buf = self._buffers.get(id(t))
         if buf is None or buf[0] is not t or buf[1].shape != t.shape or buf[1].dtype != t.dtype or buf[1].device != t.device:
             buf = (t, torch.empty_like(t, memory_format=torch.preserve_format))
