@@ -109,7 +109,7 @@ def _fwd_bwd(m: nn.Module, x: tuple[Any, ...], params: list[torch.Tensor]) -> Fn
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model, x = _build(name)
-    fe = _frontend(name)
+    fe = _frontend(name) if args.frontend == "default" else args.frontend
     row: dict[str, Any] = {"model": name}
     t0 = time.perf_counter()
     inst = fxdebug.instrument(model, collector_passes(False), example_inputs=x, frontend=fe)
@@ -281,4 +281,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="time calls by this process's CPU time (default; robust on a loaded machine) or wall clock")
     p.add_argument("--out", default="bench-debug.md")
+    p.add_argument("--frontend", default="default",
+                   help="capture every model with this frontend (dynamo, symbolic, export, auto); default: export for "
+                        "the HF models, auto for the rest")
     return p.parse_args(argv)

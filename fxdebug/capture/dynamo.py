@@ -123,15 +123,27 @@ def _code_key() -> str:
         return ""
 
 
-def dynamo_config() -> Any:
-    """The Dynamo settings a live capture runs under (a ``config.patch``, never a global change).
+class dynamo_config:  # noqa: N801 - used as a context manager, like torch's config.patch
+    """The Dynamo settings a live capture runs under, set around each call and put back after.
 
     Hook guards on, so that a hook added after instrument is seen; a higher recompile limit, since
     every live module of one class shares that class's ``forward`` cache (a debugging session
-    switches modes, keyword signatures and shapes more than a production loop).
+    switches modes, keyword signatures and shapes more than a production loop). The same as
+    ``torch._dynamo.config.patch(...)`` but without building a patch object per call (~20 µs).
     """
-    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False, recompile_limit=64,
-                                      accumulated_recompile_limit=4096)
+
+    SETTINGS = {"skip_nnmodule_hook_guards": False, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
+
+    def __enter__(self) -> None:
+        config = torch._dynamo.config
+        self._saved = {k: getattr(config, k) for k in self.SETTINGS}
+        for k, v in self.SETTINGS.items():
+            setattr(config, k, v)
+
+    def __exit__(self, *exc: Any) -> None:
+        config = torch._dynamo.config
+        for k, v in self._saved.items():
+            setattr(config, k, v)
 
 
 # -- stable names ----------------------------------------------------------------------------------
@@ -273,7 +285,7 @@ def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: 
                 path, attr, kind = state
                 out = new.get_attr(f"{path}.{attr}".lstrip("."))
                 out.meta.update(meta)
-                fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind)
+                fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind, dynamo_arg=index)
             else:
                 keep.append(index)
                 out = new.placeholder(_safe(_input_name(source) or node.name))

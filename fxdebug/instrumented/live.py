@@ -16,6 +16,7 @@ the reason Dynamo gave.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import warnings
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.fx import Graph
+from torch.fx import Graph, GraphModule, Node
 
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
@@ -34,6 +35,7 @@ from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.graphs import SymbolicFrontend
 from fxdebug.errors import FxDebugError, UsageError
+from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.inputs import Inputs
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
@@ -99,8 +101,13 @@ class LiveInstrumented(Instrumented):
         found = self.__dict__["_parts"].get(graph)
         if found is None:
             found = self._instrument_graph(graph, args)
-        part, keep = found.part, found.keep
-        return part(*[args[i] for i in keep])
+        try:
+            return found.run(*args)  # the part's forward over Dynamo's own arguments (model state included)
+        except FxDebugError:
+            raise
+        except Exception as exc:
+            _diagnose_part(found.part, found.keep, args, exc)
+            raise
 
     def _instrument_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> "_Part":
         with self.__dict__["_lock"]:
@@ -121,7 +128,7 @@ class LiveInstrumented(Instrumented):
             top = graph_record(self)
             if not top.passes:  # the passes as they ran on the first graph
                 top.passes.extend(graph_record(part).passes)
-            found = parts[graph] = _Part(part, prepared.keep)
+            found = parts[graph] = _Part(part, prepared.keep, _runner(part, len(args), prepared.keep))
             return found
 
     # -- what fxdebug knows -----------------------------------------------------------------------
@@ -228,6 +235,53 @@ class LiveInstrumented(Instrumented):
 class _Part:
     part: Instrumented
     keep: list[int]  # Dynamo's arguments the graph takes (the rest are model state, read live)
+    run: Any = None  # what runs it: a copy of the graph whose model state comes in as Dynamo's arguments
+
+
+def _runner(part: Instrumented, count: int, keep: list[int]) -> Any:
+    """The part's code with Dynamo's calling convention: every argument, model state included.
+
+    The passes saw the model's parameters and buffers as ``get_attr`` nodes (what ``ParamGrads`` and
+    friends look for); at run time Dynamo hands over those very tensors (checked when the graph was
+    prepared), so they become placeholders again: no attribute walk per parameter per call. The
+    part itself (its graph, observers, report) is unchanged.
+    """
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    kept = [n for n in part.graph.nodes if n.op == "placeholder"]
+    by_index: dict[int, Node] = {}
+    state = {n: n.meta.get(KEY, {}).get("dynamo_arg") for n in part.graph.nodes if n.op == "get_attr"}
+    for node in kept:
+        by_index[keep[len(by_index)]] = node
+    for i in range(count):
+        if i in by_index:
+            env[by_index[i]] = graph.placeholder(by_index[i].name)
+        else:
+            owner = next((n for n, idx in state.items() if idx == i), None)
+            p = graph.placeholder(owner.name if owner is not None else f"_unused_{i}")
+            if owner is not None:
+                env[owner] = p
+    for node in part.graph.nodes:
+        if node in env or node.op == "placeholder":
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    gm = GraphModule(part, graph, class_name=type(part).__name__)
+    gm._modules = part._modules
+    gm.__dict__[NAMESPACE] = part.__dict__.get(NAMESPACE)
+    return gm.forward
+
+
+def _diagnose_part(part: Instrumented, keep: list[int], args: tuple[Any, ...], exc: Exception) -> None:
+    """An op of a captured graph failed: name the node (a typed error), as an ``Instrumented`` call does."""
+    located = locate_failure(part, exc)
+    if located is None:
+        return
+    node, inputs = located
+    err = op_failure(node, exc, inputs)
+    if type(err) is FxDebugError:  # not a shape/device problem: keep the user's exception type
+        exc.add_note(f"fxdebug: {err.message}")
+        return
+    raise err from exc
 
 
 def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
