@@ -16,8 +16,9 @@ module (for a parameter read directly, the node that uses it) carries the module
 parameters together, plus ``param_updates``, each parameter's own by name — and
 ``Report.findings()`` gives ``kind="update_spike"`` where a parameter's factor reaches 10
 (``findings(update_spike=...)`` changes it). ``ParamUpdates(...).rows()`` lists every parameter
-the optimizer holds, keyed by name. Costs: one copy of the parameters in memory, and per step a
-copy, an in-place subtraction and two norms over them.
+the optimizer holds, keyed by name; ``.history()`` each one's update ratios of the last 64
+steps. Costs: one copy of the parameters in memory, and per step a copy, an in-place
+subtraction and two norms over them.
 """
 
 from __future__ import annotations
@@ -227,6 +228,18 @@ class ParamUpdates(fxdebug.Pass):
                            update_spike_step=host["spike_step"][i] if host["spike"][i] > 0 else None)
             out.append(row)
         return out
+
+    def history(self) -> dict[str, list[float | None]]:
+        """``{parameter name: its update ratios of the last (up to) 64 steps, oldest first}``
+        (``None`` for a step it had no gradient in); reads the device ring once."""
+        state = self.table._state
+        steps = self.table.steps
+        if state is None or not steps or state["history"].device.type == "meta":
+            return {}
+        ring = state["history"].cpu()
+        n = min(steps, WINDOW)
+        order = [(steps - n + i) % WINDOW for i in range(n)]
+        return {self.table.name(p): [_num(v) for v in ring[i, order].tolist()] for i, p in enumerate(self.table.params)}
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         tracked = set(self.table.index)

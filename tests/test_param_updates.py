@@ -117,3 +117,16 @@ def test_works_through_a_guard_and_names_parameters_without_a_graph_use() -> Non
     assert rows["fc1.weight"]["update_norm"] > 0
     with pytest.raises(fxdebug.UsageError, match="Optimizer"):
         ParamUpdates([extra])
+
+
+def test_history_keeps_each_parameters_recent_ratios_in_step_order() -> None:
+    model, dbg, opt, watch = setup()
+    for i, x in enumerate(data(70)):
+        opt.param_groups[1]["lr"] = 1.0 if i == 68 else 1e-2
+        step(dbg, opt, x)
+    hist = watch.history()
+    assert set(hist) == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    ratios = hist["fc2.weight"]
+    assert len(ratios) == 64  # the last 64 of 70 steps, oldest first: step 68 is second to last
+    assert ratios[-2] == max(ratios) and ratios[-2] > 10 * ratios[-3]
+    assert ratios[-1] == pytest.approx(watch.rows()[2]["update_ratio"])
