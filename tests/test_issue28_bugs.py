@@ -3,6 +3,8 @@ blame the wrong thing, the report's dtype after ``.to()``, an unmet precision pl
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -70,3 +72,22 @@ def test_findings_with_a_misspelt_threshold_is_a_usage_error():
     with pytest.raises(fxdebug.UsageError, match="vanishing") as info:
         dbg.report().findings(vanish=1e-9)
     assert "no such threshold" in str(info.value) and not isinstance(info.value, TypeError)
+
+
+def test_flight_recorder_keeps_each_later_call_its_own_values():
+    """After a NaN call every later call's history read NaN: the running sums were poisoned."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    dbg = fxdebug.instrument(model, [NaNCheck(history=5)], example_inputs=(torch.randn(2, 4),), frontend="symbolic")
+    xs = [torch.randn(2, 4) for _ in range(4)]
+    xs[1][0, 0] = float("nan")
+    outs = [model[0](x).detach() for x in xs]
+    for x in xs:
+        dbg(x)
+    history = dict(dbg.report().history.node("_0"))
+    assert history[1]["nonfinite"] and history[1]["nan"] == 4 and math.isnan(history[1]["norm"])
+    for call in (0, 2, 3):  # before and after the bad call: that call's own numbers
+        assert not history[call]["nonfinite"]
+        assert history[call]["mean"] == pytest.approx(outs[call].double().mean().item(), rel=1e-6)
+        assert history[call]["norm"] == pytest.approx(outs[call].double().norm().item(), rel=1e-6)
+    assert dbg.report().row("_0")["nonfinite_calls"] == 1

@@ -52,18 +52,39 @@ class Flight:
         self.bad_total: Tensor | None = None
         self.fired = False
         self.table: Tensor | None = None  # the state table last snapshotted
+        self.prev: Tensor | None = None  # the table at the end of the previous call (after repair)
         self._host: tuple[int, int, list[int], list[list[float]]] | None = None
 
-    def record(self, table: Tensor) -> None:
+    def record(self, table: Tensor, rows: Tensor | None = None) -> None:
+        """Store this call's own values (additive slots: the difference from the previous call's
+        end; extremes: as they are) in the ring. A watched row (``rows``) whose sums went NaN/Inf in
+        this call gets its sums and extremes put back as they were before it, so the call keeps its
+        NaN in the history and the calls after it keep their own values (the running sums would
+        otherwise stay NaN forever); its NaN/Inf counts and ``bad_calls`` still count the call."""
         size = self.history + 1
         if self.ring is None or self.ring.shape[1] != table.numel() or self.ring.device != table.device:
             self.ring = torch.full((size, table.numel()), math.nan, dtype=table.dtype, device=table.device)
             self.calls = torch.full((size,), -1, dtype=torch.int64, device=table.device)
+            self.prev = None
+        if self.prev is None or self.prev.shape != table.shape:
+            self.prev = torch.zeros_like(table)
+        additive = _additive_mask(table)
         call = table[:1].to(torch.int64)
         slot = torch.remainder(call, size)
-        self.ring.index_copy_(0, slot, table.view(1, -1))
+        own = torch.where(additive, table - self.prev, table)
+        self.ring.index_copy_(0, slot, own.view(1, -1))
         assert self.calls is not None
         self.calls.index_copy_(0, slot, call)
+        if rows is not None and rows.numel():
+            grid, before = table.view(-1, K), self.prev.view(-1, K)
+            idx = rows + 1
+            sums = grid[idx][:, _REPAIR]
+            went_bad = ~torch.isfinite(sums).all(dim=1, keepdim=True) & torch.isfinite(before[idx][:, _REPAIR]).all(
+                dim=1, keepdim=True)
+            fixed = torch.where(went_bad, before[idx][:, _REPAIR], sums)
+            cols = torch.tensor(_REPAIR, device=table.device)
+            grid[idx.unsqueeze(1), cols.unsqueeze(0)] = fixed
+        self.prev = table.detach().clone()
 
     def went_bad(self, table: Tensor, rows: Tensor) -> Tensor:
         """0-d bool on the device: did a watched node's NaN/Inf call count grow in this call?"""
@@ -75,7 +96,7 @@ class Flight:
         return bad
 
     def reset(self) -> None:
-        self.ring = self.calls = self.bad_total = self.table = None
+        self.ring = self.calls = self.bad_total = self.table = self.prev = None
         self.fired = False
         self._host = None
 
@@ -95,19 +116,28 @@ class Flight:
             return []
         calls, snaps = got
         by_call = {c: snaps[i] for i, c in enumerate(calls) if c >= 0}
-        out = []
-        for c in sorted(by_call):
-            if c - 1 not in by_call and c != 0:
-                continue  # the oldest snapshot only serves as the base of the next call's differences
-            now = _fields(by_call[c], row)
-            before = _fields(by_call[c - 1], row) if c - 1 in by_call else None
-            out.append((c, _per_call(now, before)))
+        out = [(c, _per_call(_fields(by_call[c], row), None)) for c in sorted(by_call)]  # each call's own values
         return out[-self.history:]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "Flight":
         new = Flight(self.history)
         memo[id(self)] = new
         return new
+
+
+_ADDITIVE = tuple(INDEX[n] for n in ("calls", "stat_calls", "count", "sum", "sumsq", "abs", "zeros", "nan", "inf",
+                                       "norm", "bad_calls"))
+_REPAIR = [INDEX[n] for n in ("sum", "sumsq", "abs", "norm", "min", "max")]
+
+
+def _additive_mask(table: Tensor) -> Tensor:
+    """True at the table's per-row running sums and counts (their per-call value is a difference)."""
+    mask = torch.zeros(K, dtype=torch.bool)
+    mask[list(_ADDITIVE)] = True
+    rows = table.numel() // K
+    full = mask.repeat(rows).to(table.device)
+    full[0] = False  # the clock
+    return full
 
 
 def _fields(snap: list[float], row: int) -> dict[str, float]:
@@ -181,13 +211,13 @@ class RecorderEnd(nn.Module):
             if flight.table is not None:
                 flight.reset()
             flight.table = table
-        flight.record(table)
-        if self.on_nonfinite is None or flight.fired or table.device.type == "meta":
-            return None
         rows = self._rows
         if rows is None or rows.device != table.device:
             ids = [o.fused_rows["forward"][0] for o in self.observers if "forward" in o.fused_rows]
             rows = self._rows = torch.tensor(ids, dtype=torch.int64).to(table.device)
+        flight.record(table, rows)
+        if self.on_nonfinite is None or flight.fired or table.device.type == "meta":
+            return None
         if not bool(flight.went_bad(table, rows)):  # the documented sync: one flag per call
             return None
         flight.fired = True
