@@ -98,14 +98,14 @@ class _FailureLocatingTracer(Tracer):
         if isinstance(attr_val, torch.Tensor) and not isinstance(attr_val, nn.Parameter):
             if self._buffer_names is None:  # torch searches named_buffers() at every read: one map instead
                 self._buffer_names = {}
-                for name, buf in self.root.named_buffers():
-                    self._buffer_names.setdefault(id(buf), name)
-            name = self._buffer_names.get(id(attr_val))
-            if name is None:
+                for path, buf in self.root.named_buffers():
+                    self._buffer_names.setdefault(id(buf), path)
+            found = self._buffer_names.get(id(attr_val))
+            if found is None:
                 return attr_val
-            if name not in parameter_proxy_cache:
-                parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
-            return parameter_proxy_cache[name]
+            if found not in parameter_proxy_cache:
+                parameter_proxy_cache[found] = self.create_proxy("get_attr", found, (), {})
+            return parameter_proxy_cache[found]
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def trace(self, root: Any, concrete_args: Any = None) -> Graph:
