@@ -91,3 +91,14 @@ def test_flight_recorder_keeps_each_later_call_its_own_values():
         assert history[call]["mean"] == pytest.approx(outs[call].double().mean().item(), rel=1e-6)
         assert history[call]["norm"] == pytest.approx(outs[call].double().norm().item(), rel=1e-6)
     assert dbg.report().row("_0")["nonfinite_calls"] == 1
+
+
+def test_dtype_column_follows_the_model_after_to():
+    """After ``.to(float64)`` the report's dtype column still said float32."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(torch.randn(2, 4),), frontend="symbolic")
+    dbg.to(torch.float64)
+    dbg(torch.randn(2, 4, dtype=torch.float64))
+    report = dbg.report()
+    assert [r["dtype"] for r in report.rows] == ["float64", "float64"]
+    assert "float32" not in report.table(cols=["node", "dtype"])

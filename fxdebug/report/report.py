@@ -256,6 +256,7 @@ def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, 
     else:
         rows = [_base_row(n) for n in nodes if n.op in ("call_module", "call_function", "call_method") and not is_instrumentation(n)]
     columns = resolve_columns(declared)
+    _follow_dtype(gm, rows)
     entered = _backward_origin(rows, columns)
     notes = list(notes) + _runtime_notes(clocks.values())
     origin = _forward_origin(rows, columns)
@@ -341,7 +342,22 @@ def _backward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str |
     if not seen:
         return None
     earliest = min(c for c, _ in seen)
-    return rows[max(i for c, i in seen if c == earliest)]["node"]
+    return str(rows[max(i for c, i in seen if c == earliest)]["node"])
+
+
+def _follow_dtype(gm: GraphModule, rows: list[dict[str, Any]]) -> None:
+    """The dtype column as the model is now: shapes and dtypes were learnt when instrumenting, and
+    after ``dbg.to(torch.float64)`` (or ``.half()``) the floating rows still said the old dtype.
+    When every floating parameter has one dtype now and the rows' floating dtype was another
+    single one, those rows take the new dtype."""
+    now = {str(p.dtype).replace("torch.", "") for p in gm.parameters() if p.is_floating_point()}
+    then = {r["dtype"] for r in rows if isinstance(r.get("dtype"), str) and ("float" in r["dtype"] or "bfloat" in r["dtype"])}
+    if len(now) != 1 or len(then) != 1 or now == then:
+        return
+    old, new = then.pop(), now.pop()
+    for r in rows:
+        if r.get("dtype") == old:
+            r["dtype"] = new
 
 
 def _nonfinite_params(gm: GraphModule, node: Node | None) -> list[str]:
