@@ -77,7 +77,10 @@ class LiveInstrumented(Instrumented):
         state["_namer"] = NodeNamer()
         state["_lock"] = threading.RLock()
         state["_calls"] = 0
+        had_flag = "_is_torch_compile" in model.__dict__
         state["_compiled"] = torch.compile(model, backend=backend)
+        if not had_flag:  # torch.compile marks the module it wraps; the model is never changed
+            model.__dict__.pop("_is_torch_compile", None)
         return gm
 
     def recompile(self) -> Any:
