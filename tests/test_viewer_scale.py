@@ -200,3 +200,17 @@ def test_a_fan_is_drawn_once(browser: Any, tmp_path: Path) -> None:
     mask = browser.find_element(By.CSS_SELECTOR, '[data-cluster="mask"], [data-node="relu"]')
     assert "feeds 30 of these (drawn once)" in mask.text
     assert js(browser, "document.querySelectorAll('#canvas .edge').length") < 30 + 10
+
+
+def test_unconnected_parts_stack_in_execution_order(browser: Any, tmp_path: Path) -> None:
+    # Parts with no data edge between them (a model captured in parts around an eager forward: MoE
+    # layers) stood side by side, in any order, and the picture was thousands of points wide.
+    ops: list[tuple[str, list[int]]] = []
+    for i in range(8):
+        ops += [(f"part{i}", [-1]), (f"part{i}", [len(ops)])]  # each part reads only the graph input
+    gm = graph(ops)
+    open_page(browser, write_html(build_view(gm), tmp_path / "parts.html"))
+    tops = [js(browser, f"document.querySelector('[data-cluster=\"part{i}\"]').getBBox().y") for i in range(8)]
+    assert tops == sorted(tops) and len(set(tops)) == 8  # one below the other, in order
+    width = int(browser.find_element(By.ID, "canvas").get_attribute("data-width"))
+    assert width < 600

@@ -341,10 +341,25 @@
       g.setDefaultEdgeLabel(function () { return {}; });
       items.forEach(function (it) { g.setNode(it.id, {width: sizes[it.id].width, height: sizes[it.id].height}); });
       edges.list.forEach(function (e) { g.setEdge(e[0].id, e[1].id, {}); });
+      // Parts with no edge between them (eager code between captured parts, a side box) stack top to
+      // bottom in execution order instead of standing side by side: an unseen edge joins each to the next.
+      var root = {};
+      function find(id) { while (root[id] !== id) id = root[id] = root[root[id]]; return id; }
+      items.forEach(function (it) { root[it.id] = it.id; });
+      edges.list.forEach(function (e) { root[find(e[0].id)] = find(e[1].id); });
+      var comps = [], seenComp = {};
+      items.forEach(function (it, i) {
+        var r = find(it.id);
+        if (!(r in seenComp)) { seenComp[r] = comps.length; comps.push({first: it.id, last: it.id}); }
+        comps[seenComp[r]].last = it.id;
+      });
+      for (var ci = 1; ci < comps.length; ci++) {
+        if (!g.hasEdge(comps[ci - 1].last, comps[ci].first)) g.setEdge(comps[ci - 1].last, comps[ci].first, {unseen: true});
+      }
       dagre.layout(g);
       var pos = {};
       items.forEach(function (it) { var d = g.node(it.id); pos[it.id] = {x: d.x, y: d.y, width: d.width, height: d.height}; });
-      var lines = g.edges().map(function (e) { return g.edge(e).points || []; });
+      var lines = g.edges().filter(function (e) { return !g.edge(e).unseen; }).map(function (e) { return g.edge(e).points || []; });
       var gg = g.graph();
       result = {width: gg.width || 40, height: gg.height || 20, pos: pos, edges: lines};
     } catch (err) {
