@@ -102,3 +102,13 @@ def test_dtype_column_follows_the_model_after_to():
     report = dbg.report()
     assert [r["dtype"] for r in report.rows] == ["float64", "float64"]
     assert "float32" not in report.table(cols=["node", "dtype"])
+
+
+def test_an_unmet_precision_plan_says_not_met():
+    """An unmet plan's summary printed the numbers but never said the tolerance was not met."""
+    from fxdebug.numerics.precision import PrecisionPlan
+
+    unmet = PrecisionPlan(nodes=["log"], error_before=0.5, error_after=0.2, tol=1e-2, dtype=torch.bfloat16, runs=3)
+    met = PrecisionPlan(nodes=["log"], error_before=0.5, error_after=1e-3, tol=1e-2, dtype=torch.bfloat16, runs=3)
+    assert not unmet.ok and "NOT met" in str(unmet).splitlines()[0] and "tolerance not met" in str(unmet)
+    assert met.ok and "not met" not in str(met).lower() and "tol 0.01: met" in str(met)

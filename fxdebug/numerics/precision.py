@@ -213,14 +213,17 @@ class PrecisionPlan:
 
     def __str__(self) -> str:
         name = str(self.dtype).replace("torch.", "")
+        verdict = "met" if self.ok else "NOT met"
         head = (f"precision plan for {name}: keep {len(self.nodes)} node(s) in float32; output error "
-                f"{self.error_before:.3g} -> {self.error_after:.3g} (tol {self.tol:g}, {self.runs} verifying runs)")
+                f"{self.error_before:.3g} -> {self.error_after:.3g} (tol {self.tol:g}: {verdict}, "
+                f"{self.runs} verifying runs)")
         lines = [head]
         for n in self.nodes:
             lines.append(f"  {n:<24} {self.modules.get(n) or '<root>':<24} {self.ops.get(n, ''):<20} "
                          f"growth {self.growth.get(n, math.nan):.3g}")
         if not self.ok:
-            lines.append("  (error still above tol: the remaining error is in ops fp32 cannot help, or in the inputs)")
+            lines.append(f"  tolerance not met: the error {self.error_after:.3g} is still above tol {self.tol:g}; the "
+                         "remaining error is in ops fp32 cannot help, or in the inputs (raise tol or max_nodes)")
         return "\n".join(lines)
 
 
