@@ -56,7 +56,6 @@ FLOOR = 4.0  # the noise floor is FLOOR * eps * sqrt(depth)
 SAME, LAYOUT, SLICE, SUM, FUSED = "same", "transposed/reshaped", "slice of fused", "sum of several", "fused (slices match)"
 _RANK = {SAME: 0, LAYOUT: 1, FUSED: 2, SLICE: 3, SUM: 4}
 _SLICING = frozenset({"split", "split_with_sizes", "slice", "select", "unbind", "chunk", "narrow", "unsafe_split"})
-_FP = 32  # points of the sorted-value fingerprint
 _BIG = 1e100  # stands in for +-inf in fingerprints (squares stay finite)
 _HUGE = 1e30  # beyond this a value is a mask, not a number
 _MAX_PERM_DIMS = 4  # 24 orders per side; beyond, only the flat order is tried
@@ -120,13 +119,13 @@ class _Match:
 
 
 class _Side:
-    """Per-op values of one recording in float64, with cached sorted fingerprints."""
+    """Per-op values of one recording in float64, with cached moments and sorted values."""
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
         self._flat: dict[int, Tensor] = {}
         self._sorted: dict[int, Tensor] = {}
-        self._fp: dict[int, Tensor] = {}
+        self._moments: dict[int, Tensor] = {}
 
     def value(self, i: int) -> Tensor:
         if i not in self._flat:
@@ -138,12 +137,31 @@ class _Side:
             self._sorted[i] = _sorted_values(self.value(i))
         return self._sorted[i]
 
-    def fp(self, i: int) -> Tensor:
-        if i not in self._fp:
-            s = self.sorted(i)
-            idx = torch.linspace(0, max(s.numel() - 1, 0), _FP).round().long() if s.numel() else torch.zeros(0, dtype=torch.long)
-            self._fp[i] = s[idx] if s.numel() else torch.zeros(_FP, dtype=torch.float64)
-        return self._fp[i]
+    def moments(self, i: int) -> Tensor:
+        """``[mean, rms, mean |x|, min, max, #+inf, #-inf, #nan]`` (finite values only in the
+        first five): no layout changes them, and each of the first three moves by at most
+        ``‖c − r‖₂ / √n`` between two tensors ``c``, ``r`` — a cheap necessary test of a match."""
+        if i not in self._moments:
+            self._moments[i] = _moments(self.value(i))
+        return self._moments[i]
+
+
+def _moments(v: Tensor) -> Tensor:
+    flat = v.reshape(-1)
+    n = flat.numel()
+    if n == 0:
+        return torch.zeros(8, dtype=torch.float64)
+    total, norm, abs_total = float(flat.sum()), float(torch.linalg.vector_norm(flat)), float(flat.abs().sum())
+    if math.isfinite(total) and math.isfinite(norm) and math.isfinite(abs_total):  # every value finite
+        lo, hi = torch.aminmax(flat)
+        return torch.tensor([total / n, norm / math.sqrt(n), abs_total / n, float(lo), float(hi), 0.0, 0.0, 0.0],
+                            dtype=torch.float64)
+    finite = torch.isfinite(flat)
+    f = torch.where(finite, flat, torch.zeros_like(flat))
+    counts = [float((flat == math.inf).sum()), float((flat == -math.inf).sum()), float(torch.isnan(flat).sum())]
+    lo, hi = torch.aminmax(flat[finite]) if bool(finite.any()) else (torch.zeros(()), torch.zeros(()))
+    return torch.tensor([float(f.sum()) / n, float(torch.linalg.vector_norm(f)) / math.sqrt(n), float(f.abs().sum()) / n,
+                         float(lo), float(hi), *counts], dtype=torch.float64)
 
 
 def _sorted_values(v: Tensor) -> Tensor:
@@ -154,6 +172,8 @@ def _sorted_values(v: Tensor) -> Tensor:
 def _masked(v: Tensor) -> Tensor:
     """``v`` with masking values (``|x| >= 1e30``: ``finfo.min`` added to a score) as ``±inf``, so a
     mask written with ``-inf`` and one written with the dtype's lowest number agree."""
+    if not v.numel() or not float(v.abs().nan_to_num(0.0).max()) >= _HUGE:
+        return v
     return torch.where(v.abs() >= _HUGE, torch.sign(v) * math.inf, v)
 
 
@@ -185,7 +205,8 @@ class _Matcher:
         self.by_numel: dict[int, list[int]] = {}
         for op in ref.ops:
             self.by_numel.setdefault(op.value.numel(), []).append(op.index)
-        self.fp_stack: dict[int, Tensor] = {}
+        self.pools: dict[int, tuple[list[int], Tensor, Tensor]] = {}
+        self.projections: dict[int, tuple[list[int], Tensor, Tensor]] = {}
         self.matches: dict[int, _Match] = {}
 
     # ----------------------------------------------------------------- tolerance
@@ -244,30 +265,47 @@ class _Matcher:
         return None if need else best
 
     # ----------------------------------------------------------------- search
+    def moment_pool(self, n: int) -> tuple[list[int], Tensor, Tensor]:
+        """Reference ops of ``n`` elements, their moments stacked, their depths."""
+        if n not in self.pools:
+            pool = self.by_numel.get(n, [])
+            M = torch.stack([self.R.moments(j) for j in pool]) if pool else torch.zeros(0, 8, dtype=torch.float64)
+            depth = torch.tensor([float(self.R.trace.ops[j].depth) for j in pool], dtype=torch.float64)
+            self.pools[n] = (pool, M, depth)
+        return self.pools[n]
+
+    def may_match(self, c: Op, M: Tensor, tol: Tensor) -> tuple[Tensor, Tensor]:
+        """Which rows of moments ``M`` could be within ``tol`` of ``c`` (a necessary test), and a
+        lower bound of the relative error against each (``max |Δmoment| / rms``)."""
+        mc = self.C.moments(c.index)
+        gap = (M[:, :3] - mc[:3]).abs().amax(dim=1)
+        bound = tol * M[:, 1] * (1 + 1e-9) + self.atol + 1e-12 * torch.maximum(M[:, 1], mc[1])
+        close = (gap <= bound) & (M[:, 5:] == mc[5:]).all(dim=1)
+        lower = torch.where(M[:, 1] > 0, gap / M[:, 1].clamp_min(1e-300), torch.where(gap > 0, math.inf, 0.0))
+        return close, lower
+
+    def tols(self, c: Op, pool: list[int], depth: Tensor) -> Tensor:
+        if not c.value.is_floating_point():
+            exact = torch.tensor([not self.R.trace.ops[j].value.is_floating_point() for j in pool])
+        else:
+            exact = torch.zeros(len(pool), dtype=torch.bool)
+        if self.rtol is not None:
+            t = torch.full((len(pool),), float(self.rtol), dtype=torch.float64)
+        else:
+            t = FLOOR * self.eps * torch.sqrt(torch.clamp(depth, min=float(max(c.depth, 1))))
+        return torch.where(exact, torch.zeros_like(t), t)
+
     def direct(self, c: Op) -> _Match | None:
-        """The reference op ``c`` reproduces in some layout: candidates by fingerprint, ordered by
-        the error of their sorted values (a lower bound of the error in any layout, so the search
-        stops once the next candidate cannot beat the best verified match)."""
+        """The reference op ``c`` reproduces in some layout: candidates whose moments are close
+        enough, ordered by the lower bound of the error those moments give (valid in any layout, so
+        the search stops once the next candidate cannot beat the best verified match)."""
         n = c.value.numel()
-        pool = self.by_numel.get(n, [])
+        pool, M, depth = self.moment_pool(n)
         if not pool or n == 0:
             return None
-        if n not in self.fp_stack:
-            self.fp_stack[n] = torch.stack([self.R.fp(j) for j in pool])
-        F = self.fp_stack[n]
-        ratio = (torch.linalg.vector_norm(F - self.C.fp(c.index), dim=1)
-                 / torch.linalg.vector_norm(F, dim=1).clamp_min(1e-300)).tolist()
-        sc = self.C.sorted(c.index)
-        bounds: list[tuple[float, int, float]] = []
-        for k, j in enumerate(pool):
-            r = self.R.trace.ops[j]
-            tol = self.tol(c, r)
-            if ratio[k] > 4 * tol + 1e-12 and self.atol == 0:
-                continue
-            num, den, err = _rel(sc, self.R.sorted(j))
-            if self.ok(num, den, n, tol):
-                bounds.append((err, j, tol))
-        bounds.sort()
+        tols = self.tols(c, pool, depth)
+        close, lower = self.may_match(c, M, tols)
+        bounds = sorted((float(lower[k]), pool[k], float(tols[k])) for k in close.nonzero().flatten().tolist())
         found: list[tuple[tuple[int, float, bool, float], _Match]] = []
         best = math.inf
         cv = self.C.value(c.index).reshape(c.value.shape)
@@ -287,21 +325,24 @@ class _Matcher:
         return min(found, key=lambda f: f[0])[1]
 
     def sliced(self, c: Op) -> _Match | None:
+        """A slice along one dim of a bigger reference op (q of a fused qkv projection)."""
         n = c.value.numel()
         if n == 0:
             return None
         cv = self.C.value(c.index).reshape(c.value.shape)
-        sc = self.C.sorted(c.index)
-        lo, hi = float(sc[0]), float(sc[-1])
+        mc = self.C.moments(c.index)
+        c_mean, c_rms = float(mc[0]), float(mc[1])
+        if float(mc[5:].sum()) > 0:
+            return None  # non-finite values: left to the direct match
         for r in self.R.trace.ops:
             m = r.value.numel()
             if r.layout_of is not None or m <= n or m % n or m // n > 64:
                 continue
-            rs = self.R.sorted(r.index)
+            mr = self.R.moments(r.index)
             tol = self.tol(c, r)
-            span = max(abs(float(rs[0])), abs(float(rs[-1])), 1e-30) * (tol + 1e-12)
-            if lo < float(rs[0]) - span or hi > float(rs[-1]) + span:
-                continue
+            span = max(abs(float(mr[3])), abs(float(mr[4])), 1e-30) * (tol + 1e-12)
+            if float(mc[3]) < float(mr[3]) - span or float(mc[4]) > float(mr[4]) + span:
+                continue  # the candidate's values do not lie within the reference's range
             rv = self.R.value(r.index).reshape(r.value.shape)
             for d, size in enumerate(r.value.shape):
                 if (n * size) % m:
@@ -312,9 +353,10 @@ class _Matcher:
                 step = math.gcd(length, size)
                 for s in range(0, size - length + 1, step)[:64]:
                     piece = rv.narrow(d, s, length)
-                    num, den, _ = _rel(sc, _sorted_values(piece))
-                    if not self.ok(num, den, n, tol):
-                        continue
+                    mean, rms = float(piece.sum()) / n, float(torch.linalg.vector_norm(piece)) / math.sqrt(n)
+                    slack = tol * rms * (1 + 1e-9) + self.atol + 1e-12 * max(rms, c_rms)
+                    if not (abs(mean - c_mean) <= slack and abs(rms - c_rms) <= slack):
+                        continue  # two moments cannot be this far apart within tolerance
                     got = self.compare(cv, piece, tol)
                     if got is not None:
                         return _Match((r.index,), SLICE, got[0], tol)
@@ -327,13 +369,16 @@ class _Matcher:
         cv = self.C.value(c.index).reshape(-1)
         if not bool(torch.isfinite(cv).all()) or float(torch.linalg.vector_norm(cv)) == 0:
             return None
-        pool = [j for j in self.by_numel.get(n, []) if self.R.trace.ops[j].layout_of is None
-                and self.R.trace.ops[j].value.is_floating_point()
-                and bool(torch.isfinite(self.R.value(j)).all()) and float(self.R.value(j).abs().max()) > 0]
+        if n not in self.projections:
+            pool = [j for j in self.by_numel.get(n, []) if self.R.trace.ops[j].layout_of is None
+                    and self.R.trace.ops[j].value.is_floating_point()
+                    and float(self.R.moments(j)[5:].sum()) == 0 and float(self.R.moments(j)[1]) > 0]
+            g = torch.randn(n, 4, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+            P = torch.stack([self.R.value(j).reshape(-1) @ g for j in pool]) if pool else torch.zeros(0, 4, dtype=torch.float64)
+            self.projections[n] = (pool, g, P)
+        pool, g, P = self.projections[n]
         if len(pool) < 2:
             return None
-        g = torch.randn(n, 4, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
-        P = torch.stack([self.R.value(j).reshape(-1) for j in pool]) @ g
         pc = cv @ g
         tol = self.tol(c, None)
         bound = 6 * (tol * float(torch.linalg.vector_norm(cv)) + self.atol * math.sqrt(n)) + 1e-300
