@@ -200,7 +200,7 @@ def locate_failure(gm: GraphModule, exc: BaseException) -> tuple[Node, tuple[Any
     return node, _RunInputs(args, dict(local))
 
 
-class _RunInputs(tuple):
+class _RunInputs(tuple[Any, ...]):
     """A failing node's inputs, carrying that call's locals so messages cite its own shapes."""
 
     env: dict[str, Any]

@@ -74,7 +74,7 @@ T = TypeVar("T")
 
 def fx_meta(node: Node) -> dict[str, Any]:
     """Return (creating if needed) the fxdebug metadata dict of ``node``."""
-    return node.meta.setdefault(KEY, {})
+    return cast(dict[str, Any], node.meta.setdefault(KEY, {}))
 
 
 class _Key(Generic[T]):
@@ -237,7 +237,7 @@ def module_path(node: Node) -> str:
     """Dotted path of the module that owns ``node``; ``""`` for the root module."""
     meta = node.meta.get(KEY, {})
     if "module" in meta:
-        return meta["module"]
+        return str(meta["module"])
     if node.op == "call_module":
         return str(node.target)
     stack = node.meta.get("nn_module_stack")
@@ -251,7 +251,7 @@ def module_type(node: Node) -> str | None:
     """Class name of the module that owns ``node`` (``"Conv2d"``), when known."""
     meta = node.meta.get(KEY, {})
     if "module_type" in meta:
-        return meta["module_type"]
+        return cast("str | None", meta["module_type"])
     stack = node.meta.get("nn_module_stack")
     if stack:
         typ = list(stack.values())[-1][1]

@@ -80,7 +80,7 @@ def _op_ref(target: Any) -> Any:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return _OpRef(target._qualified_op_name.replace("::", "."))
     if isinstance(target, torch._ops.HigherOrderOperator):
-        return _OpRef(f"higher_order.{target.name()}")
+        return _OpRef(f"higher_order.{getattr(target, 'name')()}")
     if callable(target) and not isinstance(target, type):
         return _func_ref(target)
     return target

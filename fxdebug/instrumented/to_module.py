@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -55,7 +55,7 @@ def to_module(dbg: Any, shrink: bool = False) -> nn.Module:
         shell.get_submodule(owner)._modules[name] = plain
     for m in shell.modules():  # fxdebug's bookkeeping on the eager copies is not the model's
         m.__dict__.pop("_fxdebug_original", None)
-    return shell
+    return cast(nn.Module, shell)
 
 
 def _shrunk(gm: GraphModule) -> GraphModule:

@@ -23,7 +23,7 @@ import operator
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -408,7 +408,7 @@ def _check(path: Path, text: str) -> tuple[bool, str]:
     namespace: dict[str, Any] = {"__name__": "fxdebug_repro_check", "__file__": str(path)}
     try:
         exec(compile(text, str(path), "exec"), namespace)
-        return namespace["check"]()
+        return cast("tuple[bool, str]", namespace["check"]())
     except Exception as exc:  # the script itself is broken: not a reproduction
         return False, f"the script failed to run: {type(exc).__name__}: {exc}"
 

@@ -308,7 +308,7 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
     keys = used_highlights(view)
     if keys:
         g.node("fxdebug/legend", label=legend_html(keys), shape="plaintext", id="legend")
-    return g.source
+    return str(g.source)
 
 
 def _edges(view: GraphView, item_of: dict[str, str]) -> tuple[dict[tuple[str, str], str], dict[str, list[str]],

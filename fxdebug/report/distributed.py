@@ -114,7 +114,9 @@ def _num(v: Any) -> float | None:
 def _merge_phase(rows: list[dict[str, Any]], prefix: str) -> dict[str, Any]:
     """Merge one phase (forward ``""`` or backward ``"grad_"``) of one node's rows."""
     out: dict[str, Any] = {}
-    key = lambda k: prefix + k  # noqa: E731
+
+    def key(k: str) -> str:
+        return prefix + k
     counts = [_num(r.get(key("count"))) or 0.0 for r in rows]
     n = sum(counts)
     if any(key(k) in r for r in rows for k in ("count", "mean")):

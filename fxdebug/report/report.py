@@ -22,7 +22,7 @@ import contextlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, cast
 
 from torch.fx import GraphModule, Node
 
@@ -98,13 +98,13 @@ class Report:
     def origin_samples(self) -> list[int] | None:
         """With ``NaNCheck(samples=True)``: the sorted batch indices (dim 0) at which the forward
         origin's output was non-finite in its first bad call (``None`` when not recorded)."""
-        return self._answered("origin_samples")
+        return cast("list[int] | None", self._answered("origin_samples"))
 
     @property
     def origin_tokens(self) -> list[tuple[int, int]] | None:
         """With ``NaNCheck(samples=True)`` and a ``(batch, sequence, ...)`` origin: its non-finite
         ``(batch, position)`` pairs in the first bad call (``None`` for other shapes)."""
-        return self._answered("origin_tokens")
+        return cast("list[tuple[int, int]] | None", self._answered("origin_tokens"))
 
     def _answered(self, name: str) -> Any:
         answer = getattr(self, "answer", None)  # declared by the probe's column (answers=, reading=)
@@ -334,7 +334,7 @@ def _forward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str | 
     seen = _first_calls(rows, columns, "forward")
     if not seen:
         return None
-    return rows[min(seen)[1]]["node"]
+    return str(rows[min(seen)[1]]["node"])
 
 
 def _backward_origin(rows: list[dict[str, Any]], columns: list[Column]) -> str | None:
