@@ -186,13 +186,14 @@ def render(rows: list[dict[str, Any]], args: argparse.Namespace, machine: str, s
            f"Ratios to the plain model: **median** (min–max) over {args.repeats} repeats, each the median of "
            f"{args.runs} interleaved calls after {args.warmup} warm-up; {args.threads} thread(s); timed by "
            + ("process CPU time" if args.clock == "cpu" else "wall clock") + ".", ""]
-    head = ["model", "frontend", "observed", "plain ms", "hooks .item()", "hooks sum", "fxdebug", "µs/node"]
+    head = ["model", "frontend", "observed", "plain ms", "hooks .item()", "hooks sum", "fxdebug", "µs/node",
+            "instrument s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         f = r["fwd"]
         lines.append("| " + " | ".join([r["model"], r["frontend"], str(r["observed"]), _mmm(f["plain"], "{:.1f}"),
                                         _mmm(f["hooks_item"]), _mmm(f["hooks_sum"]), _mmm(f["fxdebug"]),
-                                        f"{r['per_node_us']:.1f}"]) + " |")
+                                        f"{r['per_node_us']:.1f}", f"{r['instrument_s']:.2f}"]) + " |")
     ratios = [r["fwd"]["fxdebug"][1] for r in rows if r["model"] != "graph-2000"]
     hooks = [r["fwd"]["hooks_item"][1] for r in rows if r["model"] != "graph-2000"]
     out += ["## Forward, no_grad (ratio to plain)", "", *lines, ""]
