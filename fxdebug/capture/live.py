@@ -41,8 +41,11 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
                  "_global_backward_pre_hooks")
 
 
+_GLOBAL_DICTS = [getattr(_torch_module, name) for name in _GLOBAL_HOOKS if hasattr(_torch_module, name)]
+
+
 def _global_hook_count() -> int:
-    return sum(len(getattr(_torch_module, name, {})) for name in _GLOBAL_HOOKS)
+    return sum(map(len, _GLOBAL_DICTS))  # torch mutates these dicts in place: the objects stay
 
 
 class LiveGuard:
@@ -61,7 +64,10 @@ class LiveGuard:
         self.model: nn.Module | None = model
         self.frontend = frontend
         paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
-        self._edges = [(m._modules, dict(m._modules), paths.get(id(m), "")) for m in _unique(model.modules())]
+        # modules with children: a child replaced or added there makes the graph stale (a leaf module gaining
+        # children is not watched: it costs a comparison per module per call for a change nobody makes)
+        self._edges = [(m._modules, dict(m._modules), paths.get(id(m), "")) for m in _unique(model.modules())
+                       if m._modules]
         self._inlined = [(m, paths.get(id(m), "?")) for m in _unique(inlined) if m is not model]
         self._handles = RemovableHandle.next_id
         self._globals = _global_hook_count()
@@ -201,8 +207,9 @@ def _short(value: Any) -> str:
 
 def check_live(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Before a call of ``gm``: follow the model's root flags and refuse a stale graph (see above)."""
-    info = gm.__dict__.get("meta", {}).get("fxdebug")
-    trace = info.get("trace") if info is not None and hasattr(info, "get") else None
+    meta = gm.__dict__.get("meta")
+    info = meta.get("fxdebug") if meta is not None else None
+    trace = info.get("trace") if type(info) is dict else getattr(info, "trace", None)  # GraphRecord: an attribute
     guard = getattr(trace, "live", None)
     if guard is None:
         return
