@@ -9,6 +9,8 @@
    recordings alone, to show what the matching costs.
 2. Each planted bug (LLaMA and ResNet pairs) and what ``align`` named: the candidate op and module,
    the reference op and module, the relative error there, and whether the module is the right one.
+3. ``--larger``: how it scales — Hugging Face's LLaMA with eager attention against the same weights
+   with SDPA at hidden 512, 4 layers, 8 heads, 4 kv heads, vocab 1000, 2 x 64 tokens (one run each).
 Prints markdown tables (pasted into docs/numerics.md).
 """
 
@@ -87,12 +89,40 @@ def bugs() -> None:
         print(f"| {label}, candidate in bf16 autocast | {fxdebug.align(ref, Autocast(cand), (x,)).first_divergent} |")
 
 
+def larger() -> None:
+    import copy
+
+    import transformers
+
+    from align_models import Logits
+
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                                   use_cache=False, attn_implementation="eager")
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(cfg).eval()
+    cfg_sdpa = copy.deepcopy(cfg)
+    cfg_sdpa._attn_implementation = "sdpa"
+    sdpa = transformers.LlamaForCausalLM(cfg_sdpa).eval()
+    sdpa.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(1))
+    print("\n| larger pair (hidden 512, 4 layers, 2 x 64 tokens) | align (one run) | first_divergent |\n|---|---|---|")
+    for label, ref, cand in (("HF eager vs HF sdpa, fp32", eager, sdpa),
+                             ("HF eager fp32 vs HF sdpa in bf16 autocast", Logits(eager), Autocast(Logits(sdpa)))):
+        t0 = time.perf_counter()
+        al = fxdebug.align(ref, cand, (ids,))
+        print(f"| {label} | {time.perf_counter() - t0:.1f} s | {al.first_divergent} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--larger", action="store_true", help="also time a hidden-512, 4-layer pair")
     args = parser.parse_args()
     timing(args.repeats)
     bugs()
+    if args.larger:
+        larger()
 
 
 if __name__ == "__main__":

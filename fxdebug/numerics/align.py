@@ -6,9 +6,11 @@ function — a port and its reference, a hand-written LLaMA and Hugging Face's, 
 attention, one fused qkv projection against three — runs each once (``align_record``: every aten
 op's output and the module that ran it) and matches the two recordings by value, not by name:
 
-1. **Layout-free candidates.** Each op's values, sorted, are a fingerprint no reshape, transpose or
-   permutation changes; the error between two sorted value lists is a lower bound of the error
-   under any layout. Ops of equal size whose fingerprints are within tolerance are candidates.
+1. **Layout-free candidates.** Each op's mean, rms and mean |x| are a fingerprint no reshape,
+   transpose or permutation changes, and each moves by at most ``‖c − r‖₂ / √n``: how far they
+   differ over the rms is a lower bound of the relative error in any layout. Ops of equal size
+   whose bound is within tolerance are candidates, tried best bound first; the search stops when
+   the next bound exceeds the best verified error.
 2. **Verification.** A candidate op matches a reference op when a real relative error
    ``‖c − r‖₂ / ‖r‖₂`` is within tolerance: in the same shape (``"same"``), or after a reshape or a
    permutation of the dims of either side (``"transposed/reshaped"``). Failing that, a slice along
@@ -56,7 +58,6 @@ FLOOR = 4.0  # the noise floor is FLOOR * eps * sqrt(depth)
 SAME, LAYOUT, SLICE, SUM, FUSED = "same", "transposed/reshaped", "slice of fused", "sum of several", "fused (slices match)"
 _RANK = {SAME: 0, LAYOUT: 1, FUSED: 2, SLICE: 3, SUM: 4}
 _SLICING = frozenset({"split", "split_with_sizes", "slice", "select", "unbind", "chunk", "narrow", "unsafe_split"})
-_BIG = 1e100  # stands in for +-inf in fingerprints (squares stay finite)
 _HUGE = 1e30  # beyond this a value is a mask, not a number
 _MAX_PERM_DIMS = 4  # 24 orders per side; beyond, only the flat order is tried
 
@@ -119,23 +120,17 @@ class _Match:
 
 
 class _Side:
-    """Per-op values of one recording in float64, with cached moments and sorted values."""
+    """Per-op values of one recording in float64, with cached moments."""
 
     def __init__(self, trace: Trace) -> None:
         self.trace = trace
         self._flat: dict[int, Tensor] = {}
-        self._sorted: dict[int, Tensor] = {}
         self._moments: dict[int, Tensor] = {}
 
     def value(self, i: int) -> Tensor:
         if i not in self._flat:
             self._flat[i] = _masked(self.trace.ops[i].value.detach().to(torch.float64))
         return self._flat[i]
-
-    def sorted(self, i: int) -> Tensor:
-        if i not in self._sorted:
-            self._sorted[i] = _sorted_values(self.value(i))
-        return self._sorted[i]
 
     def moments(self, i: int) -> Tensor:
         """``[mean, rms, mean |x|, min, max, #+inf, #-inf, #nan]`` (finite values only in the
@@ -162,11 +157,6 @@ def _moments(v: Tensor) -> Tensor:
     lo, hi = torch.aminmax(flat[finite]) if bool(finite.any()) else (torch.zeros(()), torch.zeros(()))
     return torch.tensor([float(f.sum()) / n, float(torch.linalg.vector_norm(f)) / math.sqrt(n), float(f.abs().sum()) / n,
                          float(lo), float(hi), *counts], dtype=torch.float64)
-
-
-def _sorted_values(v: Tensor) -> Tensor:
-    flat = torch.nan_to_num(v.reshape(-1), nan=0.0, posinf=_BIG, neginf=-_BIG).clamp(-_BIG, _BIG)
-    return torch.sort(flat).values
 
 
 def _masked(v: Tensor) -> Tensor:
