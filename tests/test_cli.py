@@ -43,6 +43,16 @@ TARGETS = textwrap.dedent("""
             x = torch.relu(self.conv(x))
             return self.fc1(x.view(x.size(0), -1))
 
+    class Dead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.act = nn.ReLU()
+            nn.init.constant_(self.fc.bias, -100.0)
+
+        def forward(self, x):
+            return self.act(self.fc(x))
+
     class NeedsArgs(nn.Module):
         def __init__(self, width):
             super().__init__()
@@ -120,9 +130,17 @@ def test_check_exits_0_on_a_healthy_model_with_a_data_file(targets, tmp_path):
     assert "result: ok (2 batch(es) checked)" in proc.stdout
 
 
+def test_check_does_not_say_ok_under_a_dead_layer(targets, tmp_path):
+    """`check` printed "result: ok" under a 100%-dead finding."""
+    proc = run("check", f"{targets}:Dead", "--input", "8,4", "--stats", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # warnings are not a failed check
+    assert "dead" in proc.stdout.lower()
+    assert "result: ok" not in proc.stdout and "result: WARNINGS (dead_activations" in proc.stdout
+
+
 @pytest.mark.parametrize("target, message", [
     ("no_such_pkg.models:Net", "cannot import module 'no_such_pkg.models'"),
-    ("{file}:Nope", "has no attribute 'Nope'. It defines these modules: Logs, Mismatch, NeedsArgs, Net, net"),
+    ("{file}:Nope", "has no attribute 'Nope'. It defines these modules: Dead, Logs, Mismatch, NeedsArgs, Net, net"),
     ("{file}:not_a_module", "is a int, not an nn.Module"),
     ("{file}:NeedsArgs", "needs arguments (width)"),
     ("just_a_name", "must look like 'pkg.module:attr'"),

@@ -8,7 +8,7 @@ Commands::
                    [--batches N] [--data batches.pt] [--json out.json] [-o graph.svg]
 
 ``TARGET`` is ``pkg.module:attr`` or ``path/to/file.py:attr`` naming an ``nn.Module`` instance,
-class, or zero-argument factory. Exit status: 0 nothing found, 1 the model has a problem (a
+class, or zero-argument factory. Exit status: 0 nothing found (or only warnings, printed as WARNINGS), 1 the model has a problem (a
 non-finite value, a failed shape/device check, an input it rejects), 2 the command could not run
 (bad arguments, unloadable target, graphviz missing), 3 an unexpected internal error.
 """
@@ -33,7 +33,8 @@ EXIT_OK, EXIT_FOUND, EXIT_USAGE, EXIT_CRASH = 0, 1, 2, 3
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxdebug", description="Graph-level debugging for PyTorch models.",
-                                epilog="Exit status: 0 nothing found, 1 problem found, 2 could not run, 3 internal error.")
+                                epilog="Exit status: 0 no NaN/Inf and no failed check (warnings such as dead units are printed "
+                                "as WARNINGS), 1 problem found, 2 could not run, 3 internal error.")
     from fxdebug import __version__
 
     p.add_argument("--version", action="version", version=f"fxdebug {__version__}")
@@ -231,6 +232,9 @@ def _check(args: argparse.Namespace) -> int:
     failed: FxDebugError | None = report.failure
     print(report)
     found = findings(report, dbg)  # report.findings() with the graph's input figures
+    from fxdebug.report.findings import find
+
+    warned = sorted({f.kind for f in find(report, gm=dbg) if f.severity != "error"})
     if found:
         print("\nfindings:")
         for line in found:
@@ -245,5 +249,6 @@ def _check(args: argparse.Namespace) -> int:
         path = dbg.render(args.output, depth=args.depth, failed=failed)
         print(f"wrote {path}")
     problem = failed is not None or not report.ok
-    print(f"\nresult: {'PROBLEM FOUND' if problem else 'ok'} ({len(batches)} batch(es) checked)")
+    verdict = "PROBLEM FOUND" if problem else f"WARNINGS ({', '.join(warned)}; see findings)" if warned else "ok"
+    print(f"\nresult: {verdict} ({len(batches)} batch(es) checked)")
     return EXIT_FOUND if problem else EXIT_OK
