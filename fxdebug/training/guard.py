@@ -170,6 +170,8 @@ class Guard:
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             self.steps += 1
+            if self._step_dev is not None:
+                self._step_dev.add_(1)
             return loss
         device = params[0].device
         fused = [bool(g.get("fused")) for g in self.optimizer.param_groups]
@@ -315,6 +317,9 @@ class Guard:
     def _watch_plan(self) -> dict[str, Any] | None:
         """The ``bad_calls`` slots of every fused row that a NaN/Inf-watching probe reads, per state
         table; rebuilt when the model's tables change (a recapture, a reset, a move)."""
+        quick = self._tables_key()
+        if self._watch is not None and self._watch.get("quick") == quick:
+            return self._watch  # the same parts and tables as last step: no walk over the observers
         observers = self.dbg.observers()
         rows: list[tuple[Tensor, int, tuple[str, str]]] = []
         for name, obs in observers.items():
@@ -327,6 +332,7 @@ class Guard:
                 rows.append((clock.table, K * (row + 1) + INDEX["bad_calls"], (name, phase)))
         key = tuple((id(t), i) for t, i, _ in rows)
         if self._watch is not None and self._watch.get("key") == key:
+            self._watch["quick"] = quick
             return self._watch
         if not rows:
             self._watch = None
@@ -337,12 +343,23 @@ class Guard:
         labels: list[tuple[str, str]] = []  # in the order the concatenation lays them out: table by table, rows in graph order
         for tid, (t, idx) in tables.items():
             labels.extend(label for tt, i, label in rows if id(tt) == tid)
-        plan = {"key": key, "labels": labels,
+        plan = {"key": key, "quick": quick, "labels": labels,
                 "tables": [(t, torch.tensor(idx, dtype=torch.long, device=t.device)) for t, idx in tables.values()]}
         first = next(iter(tables.values()))[0]
         self._origin_log = torch.zeros(_LOG, len(labels), dtype=torch.bool, device=first.device)
         self._watch = plan
         return plan
+
+
+    def _tables_key(self) -> tuple[Any, ...]:
+        """Identity of the model's captured parts and their state tables (cheap to compute)."""
+        parts = self.dbg.parts() if hasattr(self.dbg, "parts") else {"": self.dbg}
+        key = []
+        for part in parts.values():
+            clock = part._clock() if hasattr(part, "_clock") else None
+            table = None if clock is None else clock.table
+            key.append((id(part), id(table), None if clock is None else clock.rows))
+        return tuple(key)
 
 
 def _origin(bad: list[tuple[str, str]]) -> str | None:
