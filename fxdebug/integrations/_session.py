@@ -24,10 +24,12 @@ report and a stand-alone repro of the bad call.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import fxdebug
 from fxdebug import FxDebugError, Report, UsageError
@@ -50,6 +52,27 @@ def default_passes() -> list[Any]:
     from fxdebug.passes import NaNCheck, StatCollector
 
     return [NaNCheck(), StatCollector()]
+
+
+_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
+
+
+@contextlib.contextmanager
+def _without_root_hooks(dbg: Any, model: Any) -> Iterator[None]:
+    """The instrumented module shares the model's root hook dicts (so that a bare ``dbg(x)`` runs
+    them); routed from inside ``model.__call__``, they have already run: hide them for this call."""
+    hidden = {}
+    for name in _ROOT_HOOKS:
+        own = dbg.__dict__.get(name)
+        if own is not None and own is model.__dict__.get(name) and len(own):
+            hidden[name] = own
+            object.__setattr__(dbg, name, OrderedDict())
+    try:
+        yield
+    finally:
+        for name, hooks in hidden.items():
+            object.__setattr__(dbg, name, hooks)
 
 
 class Session:
@@ -107,7 +130,8 @@ class Session:
                 self.dbg = self._instrument(model, args, kwargs)
             self.last_inputs = (args, kwargs)
             self.calls += 1
-            return self.dbg(*args, **kwargs)
+            with _without_root_hooks(self.dbg, model):
+                return self.dbg(*args, **kwargs)
         finally:
             model.__dict__["forward"] = self._router
 
