@@ -55,6 +55,18 @@ def test_dtype_only_difference_is_no_alarm():
     ref_r, cand_r, x = resnet_pair()
     assert fxdebug.align(Autocast(ref_r), cand_r, (x,)).first_divergent is None
 
+    class Bf16Linear(nn.Linear):  # enters autocast in its own forward: no submodule to hook
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return super().forward(x).float()
+
+    torch.manual_seed(0)
+    plain, low = nn.Linear(64, 64), Bf16Linear(64, 64)
+    low.load_state_dict(plain.state_dict())
+    al = fxdebug.align(plain, low, (torch.randn(8, 64),))
+    assert al.first_divergent is None and al.dtypes == (torch.float32, torch.bfloat16)
+    assert fxdebug.align(plain, low, (torch.randn(8, 64),), rtol=1e-6).first_divergent is not None
+
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("bug", list(LLAMA_BUGS))

@@ -48,9 +48,12 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from fxdebug.errors import ArgumentTypeError, UsageError
-from fxdebug.numerics.align_record import Op, Trace, device_of, record
+from fxdebug.graph.inputs import Inputs, normalize_inputs
+from fxdebug.numerics.align_record import Op, Trace, record
+from fxdebug.numerics.tensors import device_of
 
 __all__ = ["FLOOR", "AlignRow", "Alignment", "Divergence", "align"]
 
@@ -672,12 +675,8 @@ def _param_device(model: nn.Module) -> torch.device | None:
 
 
 def _to_device(inputs: Any, device: torch.device | None) -> Any:
-    if device is None or device_of(nn.Module(), inputs) == device:
+    if device is None or device_of(normalize_inputs(inputs)) == device:
         return inputs
-    from torch.utils._pytree import tree_map
-
-    from fxdebug.graph.inputs import Inputs
-
     if isinstance(inputs, Inputs):
         return Inputs(*tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, inputs.args),
                       **tree_map(lambda t: t.to(device) if isinstance(t, Tensor) else t, inputs.kwargs))

@@ -10,8 +10,9 @@ training flags, buffers, Python state and random streams are put back afterwards
 
 The run's *precision* (``Trace.eps``) is what it was set up with: the narrowest of its float
 parameters, its float inputs and the autocast dtype in force when it ran (at the call, or entered
-inside a module's forward) — not the dtype an op happens to produce, so an op that silently
-computes in bf16 inside an fp32 run is judged at fp32.
+inside a forward: a ``TorchFunctionMode`` notes it, since autocast runs above the dispatch level)
+— not the dtype an op happens to produce, so an op that silently computes in bf16 inside an fp32
+run is judged at fp32.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxdebug.graph.inputs import clone_inputs, normalize_inputs, preserved_state
@@ -76,15 +78,6 @@ class Trace:
         self.users = dict(users)
 
 
-def _device_of(model: nn.Module, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> torch.device:
-    for t in pytree.tree_leaves(inputs):
-        if isinstance(t, Tensor):
-            return t.device
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def _autocast_dtype() -> torch.dtype | None:
     for dev in _AUTOCAST_DEVICES:
         try:
@@ -134,6 +127,22 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+class _AutocastWatch(TorchFunctionMode):
+    """Notes the autocast dtype in force at any torch call (the dispatch level cannot see it: autocast
+    runs above it), so a forward that enters autocast is judged at that precision."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if not self.rec.autocast:
+            dt = _autocast_dtype()
+            if dt is not None:
+                self.rec.autocast.append(dt)
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
 def _module_stack(model: nn.Module, rec: _Recorder) -> Iterator[None]:
     handles = []
@@ -141,9 +150,6 @@ def _module_stack(model: nn.Module, rec: _Recorder) -> Iterator[None]:
     def pre(path: str, typ: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             rec.stack.append((path, typ))
-            dt = _autocast_dtype()
-            if dt is not None:
-                rec.autocast.append(dt)
         return hook
 
     def post(module: nn.Module, args: Any, output: Any) -> None:
@@ -183,7 +189,7 @@ def record(model: nn.Module, example_inputs: Any) -> Trace:
     args, kwargs = clone_inputs(call if call is not None else ((), {}))  # a forward may write into its inputs
     rec = _Recorder()
     autocast_at_call = _autocast_dtype()
-    with preserved_state(model), _eval(model), torch.no_grad(), _module_stack(model, rec), rec:
+    with preserved_state(model), _eval(model), torch.no_grad(), _module_stack(model, rec), _AutocastWatch(rec), rec:
         out = model(*args, **kwargs)
     outputs: list[int] = []
     for t in pytree.tree_leaves(out):
@@ -199,8 +205,3 @@ def record(model: nn.Module, example_inputs: Any) -> Trace:
     dtype = max(dtypes, key=_eps, default=torch.float32)
     del rec.keep
     return Trace(rec.ops, sorted(set(outputs)), _eps(dtype), dtype)
-
-
-def device_of(model: nn.Module, example_inputs: Any) -> torch.device:
-    call = normalize_inputs(example_inputs)
-    return _device_of(model, call if call is not None else ((), {}))
