@@ -127,3 +127,13 @@ def test_tiny_gpt2_with_labels_one_report():
     assert rows["transformer_wte"]["module"] == "transformer.wte" and rows["transformer_wte"]["calls"] == 2
     assert any(r["module"].startswith("transformer.h.0.attn") for r in report.rows)
     assert report.first_nonfinite is None
+
+
+def test_render_draws_the_captured_graph_and_attributes_pass_through(tmp_path):
+    model = MLP()
+    model.note = "kept"
+    dbg = _dbg(model, torch.randn(2, 4))
+    dbg(torch.randn(2, 4))
+    out = dbg.render(str(tmp_path / "live.svg"))
+    assert (tmp_path / "live.svg").exists() and out.endswith(".svg")
+    assert dbg.note == "kept"  # the model's own attributes, through the live module

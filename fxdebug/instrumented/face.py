@@ -29,7 +29,8 @@ def model_of(gm: nn.Module) -> nn.Module | None:
     rec = recipe(gm)
     if rec is not None:
         return rec.model
-    return gm.__dict__.get("_shell")
+    live = gm.__dict__.get("_model")  # a live (Dynamo) capture holds the model itself
+    return live if live is not None else gm.__dict__.get("_shell")
 
 
 def model_attribute(gm: nn.Module, name: str) -> Any:

@@ -36,9 +36,10 @@ from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.graphs import SymbolicFrontend
 from fxdebug.errors import FxDebugError, UsageError
 from fxdebug.graph.diagnose import locate_failure, op_failure
-from fxdebug.graph.inputs import Inputs
+from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows
 from fxdebug.report.report import Report, merge_reports
 from fxdebug.runtime.lower import lower_observers
@@ -219,6 +220,24 @@ class LiveInstrumented(Instrumented):
     def to_module(self, shrink: bool = False) -> nn.Module:
         raise UsageError("to_module() makes one plain GraphModule, and a live (Dynamo) capture is a set of graphs "
                          "around eager code: instrument with frontend='symbolic' (or 'export') to get one.")
+
+    def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
+        """Draw the largest captured graph, annotated with the report over every capture."""
+        if example_inputs is not None and not self.parts():
+            inputs = normalize_inputs(example_inputs)
+            if inputs is not None:
+                with preserved_state(self._model):
+                    self(*inputs[0], **inputs[1])
+                self.reset()
+        parts = list(self.parts().values())
+        if not parts:
+            raise UsageError("nothing captured yet: call the module once (or instrument it with example_inputs) "
+                             "before render().")
+        report = kwargs.pop("report", None)
+        if report is None and self.observers():
+            report = self.report()
+        largest = max(parts, key=lambda p: len(p.graph.nodes))
+        return draw(largest, path, report=report, **kwargs)
 
     def retrace(self) -> Instrumented:
         return LiveInstrumented._live(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
