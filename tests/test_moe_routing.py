@@ -135,3 +135,25 @@ def test_without_example_inputs_the_expert_count_must_be_given() -> None:
     dbg = fxdebug.instrument(TinyMixtral(), passes=[ExpertLoad(experts=4)])
     dbg(ids())
     assert [sum(r["expert_tokens"]) for r in routing_rows(dbg.report())] == [24, 24]
+
+
+@pytest.mark.slow
+def test_hugging_face_mixtral_routing_is_counted_per_layer() -> None:
+    """A tiny randomly initialised transformers Mixtral (nothing downloaded): its MoE blocks are
+    captured by the subtrees frontend and every layer's routing is counted as its router chose."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    tokens = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    dbg = fxdebug.instrument(model, passes=[ExpertLoad()], example_inputs=(tokens,))
+    with torch.no_grad():
+        dbg(tokens)
+        ref = model(tokens, output_router_logits=True)
+    rows = routing_rows(dbg.report())
+    assert len(rows) == cfg.num_hidden_layers
+    for row, logits in zip(rows, ref.router_logits):
+        chosen = torch.topk(F.softmax(logits.float(), -1), 2, dim=-1).indices
+        assert row["expert_tokens"] == torch.bincount(chosen.flatten(), minlength=4).tolist()
