@@ -9,21 +9,30 @@ time the first node whose output differs raises ``ShapeMismatchError``::
     (N, 128, 28, 28). Inputs: (N, 64, 28, 28). Defined at model.py:41 `out = self.conv1(x)`.
 
 The check reads ``tensor.shape`` and ``tensor.dtype`` — host metadata — and does no reduction:
-no device work, no sync. When an op itself fails on a bad shape (a Linear fed the wrong number
+no device work, no sync. It costs no Python per node and call: the graph's inputs carry one small
+probe each, and only when the inputs arrive with a shape/dtype signature not seen before is every
+node's shape checked, by running the graph once on fake tensors (``FakeTensorMode``: shapes only,
+no data, nothing of the model mutated) before the real call proceeds. A signature that passed is
+remembered, so a training loop pays the check once per input shape, and every other node stays a
+fused observation (what NaNCheck + StatCollector cost). Graphs that cannot run on fake tensors
+(data-dependent control flow in a leaf module, ...), and graphs calling a user's leaf module
+(whose forward may change Python state), keep a probe on every node, checked per call. When an op itself fails on a bad shape (a Linear fed the wrong number
 of features), the instrumented module already re-raises that as ``ShapeMismatchError`` naming
 the node and its inputs' shapes; this pass catches what does *not* fail, just goes wrong.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable, Sequence
 
+import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import ShapeMismatchError
-from fxdebug.authoring import ObservationContext, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
+from fxdebug.authoring import FusedProbe, ObservationContext, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
 
 __all__ = ["ShapeAssert"]
 
@@ -59,14 +68,17 @@ class ShapeProbe(Probe):
         self.feeds = f" It feeds {', '.join(fxdebug.describe(u) for u in users[:3])}." if node.op == "placeholder" and users else ""
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
-        if ctx.phase != "forward":
-            return
-        shape = r.x.shape
+        if ctx.phase == "forward":
+            self.check(r.x, ctx.inputs)
+
+    def check(self, x: Any, inputs: tuple[Any, ...]) -> None:
+        """Raise ``ShapeMismatchError`` if ``x`` (a tensor, real or fake) has another shape or dtype."""
+        shape = x.shape
         ok = len(shape) == len(self.shape) and all(
             i in self.symbols or a == e for i, (a, e) in enumerate(zip(shape, self.shape)))
-        if ok and (not self.check_dtype or r.x.dtype == self.dtype):
+        if ok and (not self.check_dtype or x.dtype == self.dtype):
             return
-        raise ShapeMismatchError(self._message(r.x, ctx.inputs), node=self.node_name, module=self.module, op=self.op)
+        raise ShapeMismatchError(self._message(x, inputs), node=self.node_name, module=self.module, op=self.op)
 
     def _message(self, x: Tensor, inputs: tuple[Any, ...]) -> str:
         same_rank = len(x.shape) == len(self.shape)
@@ -121,11 +133,25 @@ class ShapeAssert(fxdebug.Pass):
             if isinstance(spec, TensorSpec):
                 symbolic[name] = names.dims(spec, self._dynamic(spec, other.get(name)))
         added: list[Node | None] = []
-        for node in ctx.nodes(gm, ops=_OPS, tensor_outputs=True):
+        probes: dict[str, ShapeProbe] = {}
+        nodes = list(ctx.nodes(gm, ops=_OPS, tensor_outputs=True))
+        for node in nodes:
             spec = specs[node.name]
             inputs = [(a.name, symbolic.get(a.name, {})) for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)]
-            probe = ShapeProbe(node, spec, symbolic[node.name], inputs, self.check_dtype)
-            added.append(ctx.observe(node, probe))
+            probes[node.name] = ShapeProbe(node, spec, symbolic[node.name], inputs, self.check_dtype)
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(specs.get(n.name), TensorSpec)]
+        guard = _ShapeGuard(gm, probes, specs, [n.name for n in inputs])
+        if guard.usable():
+            # one probe per graph input (checking it too if selected); every other node is checked
+            # once per new input signature
+            for node in inputs:
+                added.append(ctx.observe(node, _GuardProbe(guard, probes.get(node.name))))
+            for node in nodes:  # keeps each checked node in the report: free beside NaNCheck/StatCollector
+                if node.op != "placeholder":
+                    added.append(ctx.observe(node, _ShapeRow()))
+        else:
+            for node in nodes:
+                added.append(ctx.observe(node, probes[node.name]))
         return PassResult(gm, added=added)
 
     def _dynamic(self, spec: TensorSpec, other: Any) -> set[int]:
@@ -156,3 +182,136 @@ class _SymbolNames:
                 self.by_size[size] = next((c for c in _LETTERS if c not in used), f"s{size}")
             out[i] = self.by_size[size]
         return out
+
+
+class _ShapeRow(FusedProbe):
+    """A checked node's place in the report: a fused probe, so its node stays one fused op call."""
+
+    key = "shape-assert"
+
+
+class _GuardProbe(Probe):
+    """On a graph input: checks the input itself, and hands its shape to the graph's guard."""
+
+    key = "shape-assert"
+
+    def __init__(self, guard: "_ShapeGuard", probe: ShapeProbe | None) -> None:
+        self.guard, self.probe = guard, probe
+
+    def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        if ctx.phase == "forward":
+            if self.probe is not None:
+                self.probe.check(r.x, ())
+            self.guard.see(ctx.node_name, r.x, ctx.call)
+
+
+class _ShapeGuard:
+    """Every node's shape, checked once per new input signature by a fake-tensor run of the graph."""
+
+    MAX_SIGNATURES = 256
+
+    def __init__(self, gm: GraphModule, probes: dict[str, ShapeProbe], specs: dict[str, Any], inputs: list[str]) -> None:
+        self.gm, self.probes = gm, probes
+        self.inputs = inputs
+        self.example = tuple((tuple(specs[n].shape), specs[n].dtype, specs[n].device) for n in self.inputs)
+        self.pending: dict[str, tuple[Any, ...]] = {}
+        self.call = -1
+        self.verified: set[tuple[Any, ...]] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The graph module holds this guard (through its observers): pickling it here would be a
+        # cycle torch cannot rebuild. A loaded guard checks the inputs only.
+        return dict(self.__dict__, gm=None, pending={}, verified=set())
+
+    def usable(self) -> bool:
+        """Whether the graph runs on fake tensors (tried once, at instrument time, on the example)."""
+        if not self.inputs:
+            return False
+        for node in self.gm.graph.nodes:  # a user's leaf module may change Python state when run
+            if node.op == "call_module" and not fxdebug.is_instrumentation(node):
+                if not type(self.gm.get_submodule(str(node.target))).__module__.startswith("torch."):
+                    return False
+        try:
+            self._fake_run(self.example, check=False)
+        except Exception:  # noqa: BLE001 - any failure: keep a probe on every node instead
+            return False
+        self.verified.add(self.example)
+        return True
+
+    def see(self, name: str, x: Tensor, call: int) -> None:
+        if call != self.call:
+            self.pending.clear()
+            self.call = call
+        self.pending[name] = (tuple(x.shape), x.dtype, x.device)
+        if len(self.pending) < len(self.inputs):
+            return
+        sig = tuple(self.pending.get(n) for n in self.inputs)
+        self.pending.clear()
+        if sig in self.verified or self.gm is None:
+            return
+        try:
+            self._fake_run(sig, check=True)
+        except ShapeMismatchError:
+            raise
+        except Exception:  # noqa: BLE001 - an op fails on these shapes: the real call raises it, named
+            return
+        if len(self.verified) >= self.MAX_SIGNATURES:
+            self.verified.clear()
+        self.verified.add(sig)
+
+    def _fake_run(self, sig: tuple[Any, ...], check: bool) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.node import map_arg
+
+        gm = self.gm
+        mode = FakeTensorMode(allow_non_fake_inputs=False)
+        state = {k: mode.from_tensor(v) for k, v in itertools.chain(gm.named_parameters(), gm.named_buffers())}
+        by_module: dict[str, dict[str, Tensor]] = {}
+        for k, v in state.items():
+            prefix, _, leaf = k.rpartition(".")
+            by_module.setdefault(prefix, {})[leaf] = v
+
+        def module_state(path: str) -> dict[str, Tensor]:
+            out = {}
+            for prefix, params in by_module.items():
+                if prefix == path or prefix.startswith(path + "."):
+                    rel = prefix[len(path) + 1:] if prefix != path else ""
+                    out.update({(f"{rel}.{k}" if rel else k): v for k, v in params.items()})
+            return out
+
+        env: dict[Node, Any] = {}
+        inputs = dict(zip(self.inputs, sig))
+        with mode:
+            for node in gm.graph.nodes:
+                if fxdebug.is_instrumentation(node):
+                    continue
+                if node.op == "placeholder":
+                    spec = inputs.get(node.name)
+                    env[node] = None if spec is None else torch.empty(spec[0], dtype=spec[1], device=spec[2])
+                    continue
+                if node.op == "output":
+                    break
+                args = map_arg(node.args, lambda n: env.get(n))
+                kwargs = map_arg(node.kwargs, lambda n: env.get(n))
+                if node.op == "get_attr":
+                    target = str(node.target)
+                    value = state.get(target)
+                    if value is None:
+                        value = gm
+                        for part in target.split("."):
+                            value = getattr(value, part)
+                        if isinstance(value, Tensor):
+                            value = mode.from_tensor(value)
+                    env[node] = value
+                elif node.op == "call_module":
+                    path = str(node.target)
+                    env[node] = torch.func.functional_call(gm.get_submodule(path), module_state(path), args, kwargs)
+                elif node.op == "call_function":
+                    env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+                elif node.op == "call_method":
+                    self_, *rest = args
+                    env[node] = getattr(self_, str(node.target))(*rest, **kwargs)
+                probe = self.probes.get(node.name)
+                if check and probe is not None and isinstance(env[node], Tensor):
+                    probe.check(env[node], tuple(env.get(a) for a in node.all_input_nodes
+                                                 if not fxdebug.is_instrumentation(a)))

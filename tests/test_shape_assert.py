@@ -121,3 +121,27 @@ def test_without_example_inputs_the_pass_is_refused_before_it_runs():
     with pytest.raises(fxdebug.MissingInputsError, match="pass 'shape-assert' requires example inputs") as info:
         fxdebug.instrument(model, [ShapeAssert()])
     assert info.value.pass_name == "shape-assert"
+
+
+def test_shapes_are_checked_once_per_input_signature_without_a_probe_per_node(monkeypatch):
+    from fxdebug.passes import NaNCheck, StatCollector
+    from fxdebug.passes import shape_assert as sa
+
+    model = Flexible()
+    x = torch.randn(2, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [ShapeAssert(where=["conv*"]), NaNCheck(mode="record"), StatCollector()],
+                             example_inputs=(x,), frontend="symbolic")
+    (gm,) = dbg.parts().values()
+    python_observers = [n for n in gm.graph.nodes if n.op == "call_module" and "obs" in str(n.target)]
+    assert [n.args[0].name for n in python_observers] == ["x"]  # every other node: the fused op, lowered
+    runs = []
+    real = sa._ShapeGuard._fake_run
+    monkeypatch.setattr(sa._ShapeGuard, "_fake_run", lambda self, sig, check: runs.append(sig) or real(self, sig, check))
+    for _ in range(3):
+        dbg(torch.randn(5, 3, 8, 8))  # a new batch size: checked once, then remembered
+    assert len(runs) == 1
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"node 'conv1'.*produced \(N, 4, 6, 6\)"):
+        dbg(torch.randn(5, 3, 6, 6))
+    with pytest.raises(fxdebug.ShapeMismatchError):
+        dbg(torch.randn(5, 3, 6, 6))  # a failing signature is never remembered
+    assert dbg.report().row("conv1")["calls"] == 3
