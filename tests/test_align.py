@@ -205,6 +205,23 @@ def test_render_colours_both_graphs(tmp_path):
     assert d.candidate[0] in Path(html).read_text()
     scores = al.side("candidate").node_divergence()
     assert math.isinf(scores[d.candidate[0]]) and all(v <= 1 for k, v in scores.items() if k.startswith("t_"))
+    # render(..., diff=al) colours whichever of the two recorded graphs it draws
+    drawn = fxdebug.render(al.graph("reference"), str(tmp_path / "r.svg"), diff=al)
+    assert f"first divergent node: {d.reference[0]}" in Path(drawn).read_text()
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz not installed")
+def test_render_colours_the_models_own_graphs(tmp_path):
+    """render(model, diff=al) on each model's own (fxdebug.trace) graph: nodes coloured by module,
+    the divergent module's first node highlighted on each side."""
+    ref, cand, x = resnet_pair(RESNET_BUGS["missing activation"][0])
+    al = fxdebug.align(ref, cand, (x,))
+    cand_svg = Path(fxdebug.render(cand, str(tmp_path / "cand.svg"), (x,), diff=al)).read_text()
+    ref_svg = Path(fxdebug.render(ref, str(tmp_path / "ref.svg"), (x,), diff=al)).read_text()
+    assert "first divergent node: stages_1_blocks_0_c2_conv" in cand_svg
+    assert "first divergent node: layer2_0_relu" in ref_svg
+    colours = al.for_graph(fxdebug.trace(cand, (x,)))
+    assert colours.node_divergence()["stem_conv"] <= 1 and math.isinf(colours.node_divergence()["stages_1_blocks_0_c2_conv"])
 
 
 def _section(relative: str, heading: str) -> list[str]:

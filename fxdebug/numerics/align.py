@@ -585,7 +585,19 @@ class Alignment:
         ``GraphModule`` (for drawing; its nodes carry the names used in ``rows``)."""
         from fxdebug.numerics.align_draw import trace_graph
 
-        return trace_graph(self._side(side))
+        gm = trace_graph(self._side(side))
+        object.__setattr__(gm, "fxdebug_align_side", "reference" if self._side(side) is self._ref else "candidate")
+        return gm
+
+    def for_graph(self, gm: Any) -> Any:
+        """What ``fxdebug.render(gm, path, diff=alignment)`` colours ``gm`` by: for a graph from
+        ``graph(side)``, that side's per-op error over floor; for another graph of one of the two
+        models (``fxdebug.trace(model)``'s), the worst score of each node's module, and the first
+        node of the divergent module highlighted."""
+        from fxdebug.numerics.align_draw import SideDiff
+
+        side = getattr(gm, "fxdebug_align_side", None)
+        return SideDiff.of(self, side) if side is not None else SideDiff.for_fx(self, gm)
 
     def side(self, side: str = "candidate") -> Any:
         """What ``fxdebug.render(al.graph(side), path, diff=al.side(side))`` colours by: each

@@ -5,7 +5,9 @@ drawing only — one node per recorded op, named as in ``Alignment.rows``, wired
 which input, with the module path in ``nn_module_stack`` so the picture groups ops by module.
 ``SideDiff`` is what ``render(..., diff=)`` reads (the shape of a ``fxdebug.diff`` result): per
 node its error over its noise floor (``rtol`` is 1: above 1 is beyond the floor), the ops on the
-divergent path as infinitely divergent, and the first divergence on that side.
+divergent path as infinitely divergent, and the first divergence on that side. ``render(gm,
+diff=alignment)`` asks ``Alignment.for_graph(gm)`` for it: for a recorded graph, that side's
+scores; for another graph of one of the two models (``fxdebug.trace``'s), scores by module.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
-from fxdebug.graph.meta import fx_meta
+from fxdebug.graph.meta import fx_meta, module_path
 from fxdebug.numerics.align_record import Trace
 
 __all__ = ["SideDiff", "trace_graph"]
@@ -57,6 +59,45 @@ class SideDiff:
 
     def row(self, node: str) -> dict[str, Any]:
         return self._rows.get(node, {})
+
+    @classmethod
+    def for_fx(cls, al: Any, gm: GraphModule) -> "SideDiff":
+        """Colours for another graph of one of the two models (``fxdebug.trace``'s, say): each node
+        takes the worst score of the recorded ops of its module (a ``call_module`` node: of its
+        module and everything inside), and the first node of the divergent op's module (or its
+        nearest enclosing module in the graph) is the first divergence. The side is the one whose
+        module paths the graph shares most."""
+        paths = {module_path(n) for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")}
+        overlap = {side: len(paths & {op.module for op in al._side(side).ops}) for side in ("reference", "candidate")}
+        side = max(overlap, key=lambda k: (overlap[k], k == "candidate"))
+        recorded = cls.of(al, side)
+        ops = al._side(side).ops
+        by_module: dict[str, float] = {}
+        for op in ops:
+            if op.name in recorded._div:
+                by_module[op.module] = max(by_module.get(op.module, 0.0), recorded._div[op.name])
+        div: dict[str, float] = {}
+        rows: dict[str, dict[str, Any]] = {}
+        for n in gm.graph.nodes:
+            if n.op not in ("call_module", "call_function", "call_method"):
+                continue
+            path = module_path(n)
+            inside = [v for m, v in by_module.items()
+                      if m == path or (n.op == "call_module" and m.startswith(path + "."))]
+            if inside:
+                div[n.name] = max(inside)
+                rows[n.name] = {"column": "worst error / floor in module", "a": _g(div[n.name]), "b": path or "(top)"}
+        first = None
+        d = al.first_divergent
+        if d is not None:
+            target: str | None = d.reference[1] if side == "reference" else d.candidate[1]
+            while target is not None and first is None:
+                first = next((n.name for n in gm.graph.nodes if n.op in ("call_module", "call_function", "call_method")
+                              and module_path(n) == target), None)
+                target = None if not target else (target.rsplit(".", 1)[0] if "." in target else "")
+            if first is not None:
+                div[first] = math.inf
+        return cls(div, rows, first)
 
     @classmethod
     def of(cls, al: Any, side: str) -> "SideDiff":

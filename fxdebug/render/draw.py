@@ -63,7 +63,8 @@ class RenderOptions:
             reading them, mask/shape plumbing into the cluster consuming it, and runs of identical
             repeated blocks into one block labelled ``layer.0–11 ×12``. ``False`` draws every node.
         diff: a ``fxdebug.diff(report_a, report_b)`` result (or ``{node: number}``) for the graph of
-            report A. The viewer opens coloured by it (a heat map of divergence / (10 rtol)) with the
+            report A; an object with ``for_graph(gm)`` (``fxdebug.align``'s ``Alignment``) gives the
+            one for the graph drawn. The viewer opens coloured by it (a heat map of divergence / (10 rtol)) with the
             first divergent node one click away; the SVG highlights that node and lists every node's
             divergence in its tooltip.
         parts: the captured parts (``Instrumented.parts()``, which ``Instrumented.render`` passes);
@@ -101,6 +102,8 @@ def render(model_or_gm: nn.Module, path: str | os.PathLike[str], example_inputs:
         raise UsageError(f"render() has no option {', '.join(map(repr, unknown))}; the options are "
                          f"{', '.join(sorted(known))} (fxdebug.render.RenderOptions).")
     opts = replace(options or RenderOptions(), **changes)
+    if callable(getattr(opts.diff, "for_graph", None)) and isinstance(model_or_gm, GraphModule):
+        opts = replace(opts, diff=opts.diff.for_graph(model_or_gm))  # a diff that depends on the graph drawn
     depth = opts.depth
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
         raise UsageError(f"depth must be a positive int (1 = top-level modules) or None for automatic; got {depth!r}.")
