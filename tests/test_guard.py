@@ -236,3 +236,58 @@ def test_with_dbg_the_step_is_still_sync_free(kind: str) -> None:
     syncs = [syncs_in_step(g, dbg, x) for x in data]
     assert syncs == [0] * len(data)
     assert int(g.skipped) == 1 and g.skipped_steps[0]["origin"] == "log"
+
+
+def test_a_learning_rate_scheduler_takes_the_guard() -> None:
+    model = Net()
+    g = fxdebug.guard(torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(g, step_size=1, gamma=0.5)
+    for x in batches(3, bad=1):
+        model(x).sum().backward()
+        g.step()
+        g.zero_grad()
+        sched.step()
+    assert g.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5 ** 3)
+    assert int(g.skipped) == 1
+
+
+class Replacing(torch.optim.Optimizer):
+    """A hand-written momentum optimizer that replaces its state tensors instead of updating them in place."""
+
+    def __init__(self, params: Any, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["m"] = st["m"] * 0.9 + p.grad if "m" in st else p.grad.clone()
+                p.sub_(group["lr"] * st["m"])
+
+
+def test_any_optimizer_even_one_that_replaces_its_state_tensors() -> None:
+    data = batches()
+
+    def run(guarded: bool, skip: int | None) -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = Net()
+        opt: Any = Replacing(model.parameters())
+        g = fxdebug.guard(opt) if guarded else opt
+        for i, x in enumerate(data):
+            if i == skip:
+                continue
+            before = snapshot(model, opt) if i == BAD and guarded else None
+            model(x).square().mean().backward()
+            g.step()
+            g.zero_grad()
+            if before is not None:
+                assert_bitwise(before, snapshot(model, opt), "after the bad step")
+        return model, opt
+
+    model, opt = run(True, None)
+    ref, ref_opt = run(False, BAD)
+    assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
+    assert_bitwise(ref_opt.state_dict()["state"], opt.state_dict()["state"], "state")

@@ -60,8 +60,11 @@ def guard(optimizer: torch.optim.Optimizer, dbg: Any = None) -> "Guard":
     return Guard(optimizer, dbg)
 
 
-class Guard:
-    """See ``fxdebug.guard``. Attribute access not defined here reaches the wrapped optimizer."""
+class Guard(torch.optim.Optimizer):
+    """See ``fxdebug.guard``. Attribute access not defined here reaches the wrapped optimizer.
+
+    A ``torch.optim.Optimizer`` (so learning-rate schedulers accept it) that never runs
+    ``Optimizer.__init__``: its groups and state are the wrapped optimizer's own objects."""
 
     # GradScaler hands an optimizer with this flag its scale and found_inf tensors instead of
     # reading found_inf on the host first: the guard folds them into its own device decision.
@@ -86,15 +89,15 @@ class Guard:
 
     # -- the optimizer's face ---------------------------------------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]  # the wrapped optimizer's own object
         return self.optimizer.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]  # the wrapped optimizer's own object
         return self.optimizer.state
 
     @property
-    def defaults(self) -> dict[str, Any]:
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # the wrapped optimizer's own object
         return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -244,13 +247,17 @@ class Guard:
         and ``torch.where(bad, copy, t)`` written back into ``t`` in place."""
         state = self.optimizer.state
         before: list[Tensor] = []
+        held: list[tuple[Tensor, str, Tensor, int]] = []  # (param, state key, tensor, index in before)
         keys: dict[int, set[str]] = {}
         for p in params:
             if params_too:
                 before.append(p)
             st = state.get(p, {})
             keys[id(p)] = set(st)
-            before.extend(v for v in st.values() if isinstance(v, Tensor))
+            for k, v in st.items():
+                if isinstance(v, Tensor):
+                    held.append((p, k, v, len(before)))
+                    before.append(v)
         pairs = [self._buffer(t) for t in before]  # keyed by the parameter / state tensor itself
         if pairs:
             torch._foreach_copy_(pairs, [t.detach() for t in before])
@@ -258,6 +265,10 @@ class Guard:
         keep = bad > 0
         with torch.no_grad():
             self._select_back([t.detach() for t in before], pairs, keep)
+            for p, k, v, i in held:  # a state tensor the step replaced instead of updating in place
+                now = state.get(p, {}).get(k)
+                if isinstance(now, Tensor) and now is not v:
+                    state[p][k] = torch.where(keep.to(now.device), pairs[i].to(now.device), now)
             for p in params:  # entries this step created: back to what they would start from
                 st = state.get(p, {})
                 for k, v in st.items():
