@@ -58,6 +58,34 @@ def _build(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
 
 
 CLOCK: Callable[[], float] = time.process_time
+SYNC: Callable[[], None] = lambda: None  # noqa: E731 - torch.cuda.synchronize on a GPU
+DEVICE = torch.device("cpu")
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+def kernels_per_call(fn: Fn) -> int:
+    """Device kernels one call of ``fn`` launches (CUDA), or aten ops it dispatches (CPU), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    SYNC()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        SYNC()
+    events = prof.events()
+    if DEVICE.type == "cuda":
+        return sum(1 for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
 def _timed(fns: dict[str, Fn], runs: int, warmup: int) -> dict[str, float]:
@@ -70,12 +98,14 @@ def _timed(fns: dict[str, Fn], runs: int, warmup: int) -> dict[str, float]:
     for _ in range(warmup):
         for n in names:
             fns[n]()
+    SYNC()
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(runs):
         for i in range(len(names)):
             n = names[(r + i) % len(names)]
             t0 = CLOCK()
             fns[n]()
+            SYNC()
             times[n].append(CLOCK() - t0)
     return {n: statistics.median(v) for n, v in times.items()}
 
@@ -109,6 +139,7 @@ def _fwd_bwd(m: nn.Module, x: tuple[Any, ...], params: list[torch.Tensor]) -> Fn
 
 def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     model, x = _build(name)
+    model, x = model.to(DEVICE), _to(x, DEVICE)
     fe = _frontend(name) if args.frontend == "default" else args.frontend
     row: dict[str, Any] = {"model": name}
     t0 = time.perf_counter()
@@ -121,16 +152,18 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["fwd"] = _spread(fns, args, "plain")
     plain_ms = row["fwd"]["plain"][1]
     row["per_node_us"] = (row["fwd"]["fxdebug"][1] - 1) * plain_ms * 1e3 / max(row["observed"], 1)
+    row["kernels_per_node"] = (kernels_per_call(fns["fxdebug"]) - kernels_per_call(fns["plain"])) / max(row["observed"], 1)
     if not args.no_backward:
         grads = fxdebug.instrument(model, collector_passes(True), example_inputs=x, frontend=fe)
         params = [p for p in model.parameters() if p.requires_grad]
         fb = {"plain": _fwd_bwd(model, x, params), "hooks_item": _fwd_bwd(hooked_copy(model, sync=True), x, params),
               "fxdebug": _fwd_bwd(grads, x, params)}
         row["fwd_bwd"] = _spread(fb, args, "plain")
+        row["bwd_kernels_per_node"] = (kernels_per_call(fb["fxdebug"]) - kernels_per_call(fb["plain"])) / max(row["observed"], 1)
         for p in params:
             p.grad = None
-    plain_peak = peak_delta_mib(fns["plain"], torch.device("cpu"))
-    inst_peak = peak_delta_mib(fns["fxdebug"], torch.device("cpu"))
+    plain_peak = peak_delta_mib(fns["plain"], DEVICE)
+    inst_peak = peak_delta_mib(fns["fxdebug"], DEVICE)
     row["peak"] = (plain_peak, inst_peak)
     if args.compile and name in COMPILED:
         row.update(compiled(model, inst, x, args))
@@ -142,6 +175,7 @@ def _cold_compile(m: nn.Module, x: tuple[Any, ...]) -> tuple[Fn, float]:
     fn = _no_grad(torch.compile(m), x)
     t0 = time.perf_counter()
     fn()
+    SYNC()
     return fn, time.perf_counter() - t0
 
 
@@ -180,20 +214,23 @@ def _mmm(t: tuple[float, float, float] | None, fmt: str = "{:.2f}") -> str:
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, machine: str, scale: dict[str, Any]) -> str:
-    out = ["# fxdebug debugging-size suite (CPU, float32)", "",
+    what = "kernels" if DEVICE.type == "cuda" else "aten ops"
+    out = [f"# fxdebug debugging-size suite ({DEVICE.type.upper()}, float32)", "",
            f"Machine: {machine}. One command: `python tools/bench.py --suite debug"
            + (" --compile" if args.compile else "") + "`. "
            f"Ratios to the plain model: **median** (min–max) over {args.repeats} repeats, each the median of "
            f"{args.runs} interleaved calls after {args.warmup} warm-up; {args.threads} thread(s); timed by "
            + ("process CPU time" if args.clock == "cpu" else "wall clock") + ".", ""]
     head = ["model", "frontend", "observed", "plain ms", "hooks .item()", "hooks sum", "fxdebug", "µs/node",
-            "instrument s"]
+            "instrument s", f"{what}/node fwd", f"{what}/node fwd+bwd"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         f = r["fwd"]
         lines.append("| " + " | ".join([r["model"], r["frontend"], str(r["observed"]), _mmm(f["plain"], "{:.1f}"),
                                         _mmm(f["hooks_item"]), _mmm(f["hooks_sum"]), _mmm(f["fxdebug"]),
-                                        f"{r['per_node_us']:.1f}", f"{r['instrument_s']:.2f}"]) + " |")
+                                        f"{r['per_node_us']:.1f}", f"{r['instrument_s']:.2f}",
+                                        f"{r.get('kernels_per_node', float('nan')):.2f}",
+                                        f"{r.get('bwd_kernels_per_node', float('nan')):.2f}"]) + " |")
     ratios = [r["fwd"]["fxdebug"][1] for r in rows if r["model"] != "graph-2000"]
     hooks = [r["fwd"]["hooks_item"][1] for r in rows if r["model"] != "graph-2000"]
     out += ["## Forward, no_grad (ratio to plain)", "", *lines, ""]
@@ -252,9 +289,12 @@ def graph_scale() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, machine: Callable[[], str]) -> str:
-    global CLOCK
+    global CLOCK, SYNC, DEVICE
     torch.set_num_threads(args.threads)
-    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
+    DEVICE = torch.device(args.device)
+    CLOCK = time.process_time if (args.clock == "cpu" and DEVICE.type == "cpu") else time.perf_counter
+    if DEVICE.type == "cuda":
+        SYNC = torch.cuda.synchronize
     names = [n for n in (args.models.split(",") if args.models else [*DEBUG_MODELS, "graph-2000"])]
     rows = []
     for name in names:
@@ -281,6 +321,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-backward", action="store_true")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                    help="time calls by this process's CPU time (default; robust on a loaded machine) or wall clock")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on cuda: wall clock with synchronize, kernels per "
+                                                  "node from the profiler)")
     p.add_argument("--out", default="bench-debug.md")
     p.add_argument("--frontend", default="default",
                    help="capture every model with this frontend (dynamo, symbolic, export, auto); default: export for "
