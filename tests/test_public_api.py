@@ -227,6 +227,8 @@ BUILT_IN_KEYS = (
     "\"pruned\"", "'pruned'",  # PruneMasks
     "\"swapped\"", "'swapped'",  # SwapActivation
     "\"frozen\"", "'frozen'", "frozen_ref",  # Freeze
+    "\"nonfinite_calls\"", "\"nonfinite_first_call\"",  # NaNCheck (roles NONFINITE / ORIGIN)
+    "\"hist\"", "\"grad_hist\"",  # Histograms
 )
 
 

@@ -186,8 +186,7 @@ def findings(report: Any, gm: Any = None) -> list[str]:
     from fxdebug.report.findings import find
 
     out = [str(f) for f in find(report, gm=gm)]
-    bad = [r["node"] for r in report.rows if report.nonfinite_in(r, "forward")] if hasattr(report, "nonfinite_in") \
-        else [r["node"] for r in report.rows if r.get("nonfinite_calls")]
+    bad = [r["node"] for r in report.rows if report.nonfinite_in(r, "forward")]
     if bad:
         out.insert(min(len(out), 1 + (report.first_nonfinite_grad is not None)),
                    f"{len(bad)} node(s) saw NaN/Inf: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}.")

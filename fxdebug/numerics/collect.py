@@ -231,11 +231,7 @@ def running_counts(report: Any) -> dict[str, int]:
     flags (``StatCollector``: activations mostly dead)}``."""
     from fxdebug.report.findings import declared_rows
 
-    nonfinite_in = getattr(report, "nonfinite_in", None)
-    if nonfinite_in is not None:
-        nan = sum(1 for r in report.rows if nonfinite_in(r))
-    else:
-        nan = sum(1 for r in report.rows if r.get("nonfinite_calls") or r.get("grad_nonfinite_calls"))
+    nan = sum(1 for r in report.rows if report.nonfinite_in(r))
     flagged = {r["node"] for c in getattr(report, "columns", None) or [] if c.finding is not None
                for r in declared_rows(report, c)}
     return {"nan": nan, "dead": len(flagged)}

@@ -9,8 +9,9 @@ numbers sit together: ``layer1/0/conv1/layer1_0_conv1/mean``. Nodes of the root 
   ``grad_norm`` (``StatCollector``), the parameter-gradient norms (``ParamGrads``), ``time_ms``
   (``Profile``), a user's probe's columns alike;
 * ``max_abs`` (max(|min|, |max|)) and ``grad_max_abs`` where the row has ``min`` / ``max``;
-* histograms ``hist`` and ``grad_hist`` (``Histograms`` or ``StatCollector(histograms=True)``)
-  through ``add_histogram_raw``, bins exactly as collected.
+* histograms: every declared column whose value is a collected histogram (a dict with ``num``,
+  ``limits``, ``counts``, ...: ``Histograms`` or ``StatCollector(histograms=True)``) through
+  ``add_histogram_raw``, bins exactly as collected.
 
 ``writer`` is a ``torch.utils.tensorboard.SummaryWriter`` (or anything with ``add_scalar`` and
 ``add_histogram_raw``, such as tensorboardX's). Call it once per epoch or every N steps with that
@@ -27,6 +28,7 @@ from fxdebug.runtime.columns import BASE_COLUMNS, Column
 __all__ = ["tag_of", "to_tensorboard"]
 
 _BASE = {c.key for c in BASE_COLUMNS}
+_HISTOGRAM = {"min", "max", "num", "sum", "sum_squares", "limits", "counts"}
 
 
 def tag_of(row: dict[str, Any], name: str, prefix: str | None = None) -> str:
@@ -64,7 +66,7 @@ def to_tensorboard(report: Any, writer: Any, step: int = 0, *, prefix: str | Non
 
     Args:
         prefix: put every tag under ``<prefix>/`` (e.g. ``"val"`` vs ``"train"``).
-        histograms: also write the collected histograms (``hist`` / ``grad_hist`` row keys).
+        histograms: also write the collected histograms (columns whose values are histogram dicts).
     """
     if not hasattr(writer, "add_scalar"):
         from fxdebug.errors import UsageError
@@ -78,9 +80,9 @@ def to_tensorboard(report: Any, writer: Any, step: int = 0, *, prefix: str | Non
             written += 1
         if not histograms:
             continue
-        for key in ("hist", "grad_hist"):
-            h = row.get(key)
-            if not isinstance(h, dict) or not h.get("num"):
+        for col in columns:
+            key, h = col.key, row.get(col.key)
+            if not isinstance(h, dict) or not h.get("num") or not _HISTOGRAM <= set(h):
                 continue
             writer.add_histogram_raw(tag_of(row, key, prefix), min=h["min"], max=h["max"], num=h["num"],
                                      sum=h["sum"], sum_squares=h["sum_squares"],
