@@ -96,3 +96,40 @@ def test_column_format_is_used_by_the_table():
     dbg(x)
     text = format_report(dbg.report(), use_rich=False)
     assert "50.0%" in text  # the ReLU output: 2 of 4 positive
+
+
+# A user's probe's declarations: the share of |x| >= 0.99 (saturated tanh units), declared the way
+# StatCollector declares its dead fraction.
+SATURATION = (
+    fxdebug.Column("saturated", roles=fxdebug.COLOR, threshold=0.5, label="saturated",
+                   only=lambda row: "tanh" in str(row.get("op")), merge="max",
+                   finding=fxdebug.authoring.FindingRule(
+                       kind="saturated_units", message="{where}: {pct} of its outputs saturated.",
+                       fix="scale its input down (a normalisation before {node}).", option="saturated")),
+    fxdebug.Column("sat_calls", roles=fxdebug.HIDDEN, answers="saturation_calls",
+                   reading=lambda rows: sum(r.get("sat_calls", 0) for r in rows)),
+)
+
+
+def test_a_users_declarations_drive_findings_table_merge_and_report_attributes():
+    """The outputs read declarations only: a user's column gets the treatment StatCollector's dead
+    fraction gets (only=, finding=, merge=, answers=) without fxdebug knowing its name."""
+    from fxdebug.report.distributed import _merge_rows
+    from fxdebug.runtime.columns import resolve_columns
+
+    columns = resolve_columns(SATURATION)
+    rows = [{"node": "tanh", "module": "", "op": "torch.tanh", "saturated": 0.8, "sat_calls": 2},
+            {"node": "fc", "module": "fc", "op": "Linear", "saturated": 0.9, "sat_calls": 2}]
+    report = fxdebug.Report(rows=rows, columns=columns)
+    found = report.findings()
+    assert [(f.kind, f.node) for f in found] == [("saturated_units", "tanh")]  # only= keeps fc out
+    assert found[0].message.endswith("80% of its outputs saturated.") and "before tanh" in found[0].fix
+    assert not report.findings(saturated=0.85)  # the rule's own threshold keyword
+    with pytest.raises(fxdebug.UsageError, match="saturated"):
+        report.findings(satruated=0.9)
+    assert report.answer("saturation_calls") == 4
+    cells = report.table(cols=["node", "saturated"]).splitlines()
+    assert cells[-1].split() == ["fc", "-"]  # not shown where it does not apply
+    (merged, _), notes = _merge_rows([[rows[0], rows[1]], [dict(rows[0], saturated=0.6), dict(rows[1])]],
+                                     columns=columns)
+    assert merged["saturated"] == 0.8 and not [n for n in notes if "saturated" in n]  # merge="max"
