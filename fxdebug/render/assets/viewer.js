@@ -96,22 +96,21 @@
 
   // Long clusters: runs of CHUNK items, then runs of runs, until a layout holds at most CHUNK items.
   function chunk(c) {
-    var level = 0;
+    var spans = c.items.map(function (it, i) { return [i + 1, i + 1]; });  // item numbers each entry covers
     while (c.items.length > CHUNK) {
-      var out = [];
+      var out = [], outSpans = [];
       for (var s = 0; s < c.items.length; s += CHUNK) {
-        var members = c.items.slice(s, s + CHUNK);
+        var members = c.items.slice(s, s + CHUNK), span = [spans[s][0], spans[Math.min(s + CHUNK, spans.length) - 1][1]];
+        if (members.length === 1) { out.push(members[0]); outSpans.push(span); continue; }  // a run of one is the item
         var allNodes = members.every(function (it) { return !it.isCluster || it.allNodes; });
-        var lo = level === 0 ? s + 1 : members[0].run[0];
-        var hi = level === 0 ? s + members.length : members[members.length - 1].run[1];
-        var label = "(" + (allNodes ? "nodes " : "items ") + lo + "–" + hi + ")";
+        var label = "(" + (allNodes ? "nodes " : "items ") + span[0] + "–" + span[1] + ")";
         var v = virtualCluster(c, label, members, (c.path ? c.path + " " : "") + label);
-        v.run = [lo, hi];
         v.allNodes = allNodes;
         out.push(v);
+        outSpans.push(span);
       }
       c.items = out;
-      level += 1;
+      spans = outSpans;
     }
   }
   Object.keys(clusters).forEach(function (p) { chunk(clusters[p]); });
