@@ -291,3 +291,11 @@ def test_any_optimizer_even_one_that_replaces_its_state_tensors() -> None:
     ref, ref_opt = run(False, BAD)
     assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
     assert_bitwise(ref_opt.state_dict()["state"], opt.state_dict()["state"], "state")
+    model2 = Net()
+    g = fxdebug.guard(Replacing(model2.parameters()))
+    for x in data:
+        model2(x).sum().backward()
+        g.step()
+        g.zero_grad()
+    n = len(list(model2.parameters()))
+    assert n <= len(g._buffers) <= 2 * n  # copies of the replaced state tensors are not kept alive step after step

@@ -269,6 +269,7 @@ class Guard(torch.optim.Optimizer):
                 now = state.get(p, {}).get(k)
                 if isinstance(now, Tensor) and now is not v:
                     state[p][k] = torch.where(keep.to(now.device), pairs[i].to(now.device), now)
+                    self._buffers.pop(id(v), None)  # the old tensor is gone: do not keep it alive
             for p in params:  # entries this step created: back to what they would start from
                 st = state.get(p, {})
                 for k, v in st.items():
