@@ -158,11 +158,12 @@ class Report:
 
         return format_report(self)
 
-    # -- reading it (logic in fxdebug/findings.py, tensorboard.py, table.py) ---------------------
+    # -- reading it (logic in report/findings.py, tensorboard.py, table.py) ----------------------
     def findings(self, **thresholds: Any) -> list[Any]:
-        """Typed findings (NaN/Inf origin, vanishing/exploding gradients, dead activations, failed
-        checks), each naming node, module, figure and fix; thresholds: ``vanishing=``,
-        ``exploding=``, ``dead=`` (see ``fxdebug.report.findings.FindingRules``)."""
+        """Typed findings (failed checks, NaN/Inf origin, what declared finding rules flag — dead
+        activations with ``StatCollector`` —, vanishing/exploding gradients, hot spots), each naming
+        node, module, figure and fix; thresholds: ``vanishing=``, ``exploding=``, ``max_findings=``
+        and each declared rule's keyword (``dead=``); see ``fxdebug.report.findings``."""
         from fxdebug.report.findings import find
 
         return find(self, **thresholds)
