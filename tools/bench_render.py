@@ -12,6 +12,8 @@ Shapes (synthetic graphs built directly as ``torch.fx`` graphs whose nodes name 
 * ``flat``: N ops, all owned by the root module (a long flat ``nn.Sequential`` of leaf modules);
 * ``long``: a long sequential: N / 2 blocks ``0``, ``1``, ... of two ops each, children of the root;
 * ``deep``: 100 levels of nesting (``l0.l1.….l99``), N / 100 ops at each level;
+* ``residual``: like ``flat``, but every other op also reads the op three places back, so no run is
+  a plain chain and every open run is a 100-node dagre layout (the slowest click there is);
 * ``cells``: groups of 20 cells of 5 ops (``linear, relu, mul, add, layer_norm``), traced from nn.Modules;
 * ``llama70b``: a LLaMA-like model with 80 layers and 70B dimensions (hidden 8192, 64 heads, 8 KV
   heads, MLP 28672), captured on ``meta`` (no memory, no weights) by ``fxdebug.instrument``.
@@ -48,13 +50,19 @@ from fxdebug.render.view import build_view  # noqa: E402
 
 
 # -- graphs -------------------------------------------------------------------------------------------
-def chain_graph(paths: list[str]) -> fx.GraphModule:
-    """A chain of ``len(paths)`` relu ops, op ``i`` owned by module ``paths[i]`` (``""``: the root)."""
+def chain_graph(paths: list[str], skip: int = 0) -> fx.GraphModule:
+    """A chain of ``len(paths)`` relu ops, op ``i`` owned by module ``paths[i]`` (``""``: the root);
+    with ``skip``, every other op is an add that also reads the op ``skip`` places back (residuals)."""
     g = fx.Graph()
     prev = g.placeholder("x")
     prev.meta["fxdebug"] = {"shape": (1, 8), "dtype": "torch.float32"}
+    made: list[fx.Node] = []
     for i, path in enumerate(paths):
-        node = g.call_function(torch.relu, (prev,))
+        if skip and i % 2 and i >= skip:
+            node = g.call_function(torch.add, (prev, made[i - skip]))
+        else:
+            node = g.call_function(torch.relu, (prev,))
+        made.append(node)
         node.meta["fxdebug"] = {"module": path, "module_type": "Block" if path else None, "shape": (1, 8),
                                 "dtype": "torch.float32"}
         prev = node
@@ -67,6 +75,8 @@ def synthetic(shape: str, n: int, levels: int = 100) -> fx.GraphModule:
         return chain_graph([""] * n)
     if shape == "long":
         return chain_graph([str(i // 2) for i in range(n)])
+    if shape == "residual":
+        return chain_graph([""] * n, skip=3)
     if shape == "deep":
         per = max(1, n // levels)
         prefixes = [".".join(f"l{j}" for j in range(d + 1)) for d in range(levels)]
@@ -175,7 +185,7 @@ def spread(values: list[float], unit: str = "s", scale: float = 1.0) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, action="append", help="graph size (repeatable; default 10000 and 100000)")
-    ap.add_argument("--shape", action="append", choices=["flat", "long", "deep", "cells"],
+    ap.add_argument("--shape", action="append", choices=["flat", "long", "deep", "residual", "cells"],
                     help="graph shape (repeatable; default flat, long, deep; and cells at 10k)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--no-llama", action="store_true", help="skip the 70B-like graph")
