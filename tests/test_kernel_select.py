@@ -116,6 +116,9 @@ def test_a_build_says_so(monkeypatch, capsys):
     kernel._build()
     err = capsys.readouterr().err
     assert "building the C++ observation kernel" in err and seen["name"] in err
+    # built from a copy named by the build, not from this checkout's path: two checkouts share one build
+    (src,) = seen["sources"]
+    assert seen["name"] in src and Path(src).read_bytes() == kernel._SOURCES[0].read_bytes()
     monkeypatch.setattr(kernel, "_built", lambda name: True)
     kernel._build()
     assert capsys.readouterr().err == ""  # a cached build loads quietly

@@ -93,6 +93,25 @@ def _built(name: str) -> bool:
     return any(root.glob(f"{name}*.so"))
 
 
+def _staged_sources(name: str) -> list[str]:
+    """The sources copied into the build's own directory (named by their hash), so every checkout
+    builds from the same paths: ninja sees one unchanged build, not a new one per checkout."""
+    from torch.utils import cpp_extension
+
+    root = Path(cpp_extension._get_build_directory(name, verbose=False)) / "src"
+    root.mkdir(parents=True, exist_ok=True)
+    out = []
+    for src in _SOURCES:
+        dest = root / src.name
+        data = src.read_bytes()
+        if not dest.exists() or dest.read_bytes() != data:
+            tmp = dest.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+        out.append(str(dest))
+    return out
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
 
@@ -100,7 +119,7 @@ def _build() -> None:
     if not _built(name):
         print(f"fxdebug: building the C++ observation kernel ({name}; once per source and torch version, "
               "~20-60 s)...", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], extra_cflags=flags, is_python_module=False,
+    cpp_extension.load(name=name, sources=_staged_sources(name), extra_cflags=flags, is_python_module=False,
                        verbose=bool(os.environ.get("FXDEBUG_VERBOSE_BUILD")))
 
 
