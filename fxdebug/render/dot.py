@@ -209,7 +209,7 @@ def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
     if "min" in s or "max" in s:
         lines.append(f"min {format_value(s.get('min'))}  max {format_value(s.get('max'))}")
     fracs = [f"zero {_pct(s['zero_frac'])}"] if isinstance(s.get("zero_frac"), (int, float)) else []
-    fracs += [f"{label} {_pct(value)}" for _, label, value in v.colors]
+    fracs += [("hot: " if key in v.hot else "") + f"{label} {_pct(value)}" for key, label, value in v.colors]
     if fracs:
         lines.append("  ".join(fracs))
     if v.origin:
