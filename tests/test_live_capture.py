@@ -212,3 +212,17 @@ def test_graph_break_code_is_named_as_eager():
     assert {"a", "b"} <= {r["node"] for r in report.rows}
     assert len(dbg.parts()) == 2
     assert any("graph break" in n and "eagerly" in n for n in report.notes)
+
+
+def test_first_nonfinite_is_first_in_time_across_captures():
+    # graph A runs three calls, the third with a NaN input; graph B (labels=) runs later with a NaN:
+    # each graph counts its own calls (B's first is its call 0), the report orders them in time
+    model, x = Net(), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, _passes(), example_inputs=(x,), **FRONTEND)
+    dbg(x)
+    dbg(x)
+    dbg(torch.full((2, 4), float("nan")))
+    dbg(x, labels=torch.full((2, 3), float("nan")))
+    report = dbg.report()
+    assert report.first_nonfinite == "x"
+    assert report.row("x")["nonfinite_first_call"] == 2 and report.row("labels")["nonfinite_first_call"] == 3

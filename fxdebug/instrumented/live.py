@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -42,6 +42,7 @@ from fxdebug.instrumented.module import Instrumented
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows
 from fxdebug.report.report import Report, merge_reports
+from fxdebug.runtime.columns import ORIGIN, resolve_columns
 from fxdebug.runtime.lower import lower_observers
 from fxdebug.runtime.observer import Observer
 
@@ -105,6 +106,7 @@ class LiveInstrumented(Instrumented):
         found = self.__dict__["_parts"].get(graph)
         if found is None:
             found = self._instrument_graph(graph, args)
+        found.calls.append(self.__dict__["_calls"] - 1)  # this graph's next call index is the module's call
         try:
             return found.run(*args)  # the part's forward over Dynamo's own arguments (model state included)
         except FxDebugError:
@@ -193,15 +195,19 @@ class LiveInstrumented(Instrumented):
             return super().report(all_ranks=True, **options)
         if options:
             raise UsageError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
-        reports = [p._part_report() for p in self.parts().values()]
+        reports = []
+        for found in self.__dict__["_parts"].values():
+            rep = found.part._part_report()
+            _global_calls(rep, found.calls)
+            reports.append(rep)
         by_name: dict[str, list[dict[str, Any]]] = {}
         for rep in reports:
             for row in rep.rows:
                 by_name.setdefault(row["node"], []).append(row)
+        columns = resolve_columns(c for rep in reports for c in rep.columns)
         rows = []
-        for name, found in by_name.items():
-            rows.append(found[0] if len(found) == 1 else _merge_rows([[r] for r in found])[0][0])
-        columns = [c for rep in reports for c in rep.columns]
+        for name, found in by_name.items():  # one row per node identity: its captures merged like ranks
+            rows.append(found[0] if len(found) == 1 else _merge_rows([[r] for r in found], columns=columns)[0][0])
         notes = [n for rep in reports for n in rep.notes]
         one = Report(rows=rows, columns=columns, notes=list(dict.fromkeys(notes)), calls=self.__dict__["_calls"],
                      frontend="dynamo")
@@ -210,8 +216,9 @@ class LiveInstrumented(Instrumented):
         return merged
 
     def reset(self) -> None:
-        for part in self.parts().values():
-            part.reset()
+        for found in self.__dict__["_parts"].values():
+            found.part.reset()
+            found.calls.clear()
         self.__dict__["_calls"] = 0
 
     def learn_shapes(self, example_inputs: Any) -> None:
@@ -258,6 +265,7 @@ class _Part:
     part: Instrumented
     keep: list[int]  # Dynamo's arguments the graph takes (the rest are model state, read live)
     run: Any = None  # what runs it: a copy of the graph whose model state comes in as Dynamo's arguments
+    calls: list[int] = field(default_factory=list)  # the module's call index of each of this graph's calls
 
 
 def _runner(part: Instrumented, count: int, keep: list[int]) -> Any:
@@ -333,6 +341,21 @@ def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
     part._non_persistent_buffers_set = model._non_persistent_buffers_set
     part.__dict__[NAMESPACE] = space
     return part
+
+
+def _global_calls(report: Report, calls: list[int]) -> None:
+    """Rewrite a graph's call indices (its ``ORIGIN`` columns) as the live module's: first NaN across captures.
+
+    Each graph counts its own calls; after a recompile or a graph break, graph B's call 0 may be the
+    module's call 5. The host list of the module's call index at each of the graph's calls (one int
+    per call, no device read) maps them, so the earliest non-finite value is found in time order.
+    """
+    keys = [c.key for c in report.columns_with(ORIGIN)]
+    for row in report.rows:
+        for key in keys:
+            value = row.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(calls):
+                row[key] = calls[value]
 
 
 def _diagnosed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> Exception:
