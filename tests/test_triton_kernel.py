@@ -117,8 +117,7 @@ SCRIPT = textwrap.dedent(r'''
     print("RESULT" + json.dumps(out))
 ''')
 
-MODELS = ["residual_cnn", "transformer_block", "functional_ops", "inplace_ops", "shared_module", "dict_outputs",
-          "lstm", "embedding"]
+MODELS = ["residual_cnn", "transformer_block", "functional_ops", "inplace_ops", "lstm", "embedding"]
 
 
 @pytest.fixture(scope="module")
