@@ -1,7 +1,8 @@
-"""Statistics that fuse under torch.compile: the fused op's Functionalize kernel
-(fxdebug/runtime/functional.py) turns each observation into aten reductions, so AOTAutograd's
-graph holds no fxdebug op and Inductor's generated code calls none (the reductions run inside
-the kernels that produce the activations), with the same numbers as eager."""
+"""Statistics that fuse under torch.compile (``FXDEBUG_COMPILE_STATS=fused`` / ``fused_compile()``):
+the fused op's Functionalize kernel (fxdebug/runtime/functional.py) turns each observation into
+aten reductions, so AOTAutograd's graph holds no fxdebug op and Inductor's generated code calls
+none (the reductions run inside the kernels that produce the activations), with the same numbers
+as eager. By default the op stays one extern call (checked too)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def _no_caches():
     import torch._functorch.config as fconfig
     import torch._inductor.config as iconfig
 
-    # a cached graph from a process with another registration (FXDEBUG_OPAQUE_COMPILE) must not answer
-    return iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False)
+    from fxdebug.runtime.kernel import fused_compile
+
+    # a cached graph compiled under the other registration must not answer
+    return iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False), fused_compile()
 
 
 def _rows(report):
@@ -64,8 +67,8 @@ def test_aot_graph_holds_no_fxdebug_op_and_counts_match_eager():
     eager = _rows(dbg.report())
     dbg.reset()
     torch._dynamo.reset()
-    c1, c2 = _no_caches()
-    with c1, c2, torch.no_grad():
+    c1, c2, fused = _no_caches()
+    with c1, c2, fused, torch.no_grad():
         compiled = torch.compile(dbg, backend=aot_autograd(fw_compiler=capture))
         for _ in range(3):
             out = compiled(x)
@@ -91,8 +94,8 @@ def test_inductor_code_calls_no_fxdebug_op():
     eager = dbg.report()
     dbg.reset()
     torch._dynamo.reset()
-    c1, c2 = _no_caches()
-    with c1, c2, torch.no_grad():
+    c1, c2, fused = _no_caches()
+    with c1, c2, fused, torch.no_grad():
         compiled = torch.compile(dbg)
         out, code = run_and_get_code(compiled, x)
         compiled(x)
@@ -104,3 +107,26 @@ def test_inductor_code_calls_no_fxdebug_op():
     report = dbg.report()
     _same(_rows(report), _rows(eager))
     assert report.first_nonfinite == eager.first_nonfinite is not None
+
+
+def test_by_default_the_op_stays_one_extern_call():
+    import torch._dynamo
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model, x = _model(), torch.randn(3, 8)
+    dbg = fxdebug.instrument(model, [NaNCheck(mode="record"), StatCollector()], example_inputs=(x,), frontend="symbolic")
+    torch._dynamo.reset()
+    with iconfig.patch(fx_graph_cache=False), fconfig.patch(enable_autograd_cache=False), torch.no_grad():
+        torch.compile(dbg, backend=aot_autograd(fw_compiler=capture))(x)
+    torch._dynamo.reset()
+    text = "\n".join(str(n.args) + str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function")
+    assert "fxdebug.observe" in text
+    assert dbg.report().row("_1")["calls"] == 1

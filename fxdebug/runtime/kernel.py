@@ -16,9 +16,10 @@ default when triton imports, else the pure-torch path. ``active(device_type)`` s
 observes tensors of a device type (the report's notes say it too); ``use(name)`` switches the CPU
 (and CUDA) kernel for a block of code, in process (tests and benchmarks).
 
-Under torch.compile the op is not an opaque call: its ``Functionalize`` kernel (``functional.py``)
-expresses it as aten reductions that Inductor fuses into the producing kernel
-(``FXDEBUG_OPAQUE_COMPILE=1`` keeps the extern call, for comparison).
+Under torch.compile the op is one extern call per observed node by default. With
+``FXDEBUG_COMPILE_STATS=fused`` (or inside ``fused_compile()``) its ``Functionalize`` kernel
+(``functional.py``) expresses it as aten reductions that Inductor fuses into the producing
+kernels instead — correct and extern-free, but measured slower on CPU so far (docs/performance.md).
 
 ``FXDEBUG_NO_KERNEL=1`` skips the build (forces the fallback); ``FXDEBUG_VERBOSE_BUILD=1`` shows
 the compiler's output. The build's name is keyed by a hash of the C++ source, the compiler flags
@@ -42,7 +43,7 @@ import torch
 from fxdebug.errors import UsageError
 from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 
-__all__ = ["KERNELS", "active", "backend", "fallback_reason", "load", "observe_many_op", "observe_op", "requested",
+__all__ = ["KERNELS", "active", "backend", "fallback_reason", "fused_compile", "load", "observe_many_op", "observe_op", "requested",
            "runtime_notes", "use"]
 
 KERNELS = ("cpp", "triton", "torch")
@@ -184,13 +185,11 @@ def load() -> str:
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
-        if not os.environ.get("FXDEBUG_OPAQUE_COMPILE"):
-            # Under torch.compile / export the op becomes aten reductions (functional.py): Inductor
-            # fuses them into the producer's kernel instead of calling the op as an extern.
-            from fxdebug.runtime.functional import observe_functional, observe_many_functional
-
-            lib.impl("observe", observe_functional, "Functionalize")
-            lib.impl("observe_many", observe_many_functional, "Functionalize")
+        mode = os.environ.get("FXDEBUG_COMPILE_STATS", "opaque").strip().lower() or "opaque"
+        if mode not in ("opaque", "fused"):
+            raise UsageError(f"FXDEBUG_COMPILE_STATS={mode!r}: expected 'opaque' (default) or 'fused'")
+        if mode == "fused":
+            _STATE["fused_lib"] = _register_fused()
         cpu = "c++" if have else "torch"
         if want in ("triton", "torch"):
             problem = _triton_problem("cpu") if want == "triton" else None
@@ -215,6 +214,34 @@ def load() -> str:
                 _STATE["cuda_why"] = problem
         _STATE["backend"] = cpu
     return str(_STATE["backend"])
+
+
+def _register_fused() -> Any:
+    """Register the op's ``Functionalize`` kernel (functional.py): under torch.compile / export the
+    op becomes aten reductions that Inductor fuses into the producer's kernel."""
+    from fxdebug.runtime.functional import observe_functional, observe_many_functional
+
+    lib = torch.library.Library("fxdebug", "IMPL")
+    lib.impl("observe", observe_functional, "Functionalize")
+    lib.impl("observe_many", observe_many_functional, "Functionalize")
+    return lib
+
+
+@contextlib.contextmanager
+def fused_compile() -> Iterator[None]:
+    """Inside the block, graphs that torch.compile traces get the statistics as fusible aten
+    reductions instead of one extern call per observed node (``FXDEBUG_COMPILE_STATS=fused``
+    does it for the whole process). Turn inductor's FX graph cache off when switching: it does
+    not key on this registration."""
+    load()
+    if _STATE.get("fused_lib") is not None:
+        yield
+        return
+    lib = _register_fused()
+    try:
+        yield
+    finally:
+        lib._destroy()
 
 
 @contextlib.contextmanager
