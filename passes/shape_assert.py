@@ -139,12 +139,12 @@ class ShapeAssert(fxdebug.Pass):
             spec = specs[node.name]
             inputs = [(a.name, symbolic.get(a.name, {})) for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)]
             probes[node.name] = ShapeProbe(node, spec, symbolic[node.name], inputs, self.check_dtype)
-        inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(specs.get(n.name), TensorSpec)]
-        guard = _ShapeGuard(gm, probes, specs, [n.name for n in inputs])
+        graph_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(specs.get(n.name), TensorSpec)]
+        guard = _ShapeGuard(gm, probes, specs, [n.name for n in graph_inputs])
         if guard.usable():
             # one probe per graph input (checking it too if selected); every other node is checked
             # once per new input signature
-            for node in inputs:
+            for node in graph_inputs:
                 added.append(ctx.observe(node, _GuardProbe(guard, probes.get(node.name))))
             for node in nodes:  # keeps each checked node in the report: free beside NaNCheck/StatCollector
                 if node.op != "placeholder":
@@ -295,7 +295,7 @@ class _ShapeGuard:
                 kwargs = map_arg(node.kwargs, lambda n: env.get(n))
                 if node.op == "get_attr":
                     target = str(node.target)
-                    value = state.get(target)
+                    value: Any = state.get(target)
                     if value is None:
                         value = gm
                         for part in target.split("."):
@@ -307,7 +307,7 @@ class _ShapeGuard:
                     path = str(node.target)
                     env[node] = torch.func.functional_call(gm.get_submodule(path), module_state(path), args, kwargs)
                 elif node.op == "call_function":
-                    env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
+                    env[node] = node.target(*args, **kwargs)
                 elif node.op == "call_method":
                     self_, *rest = args
                     env[node] = getattr(self_, str(node.target))(*rest, **kwargs)

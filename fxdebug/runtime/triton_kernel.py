@@ -41,13 +41,12 @@ S = 16  # scratch slots per member: sum, sumsq, abs, zeros, nan, inf, min, max, 
 _SUM, _SUMSQ, _ABS, _ZEROS, _NAN, _INF, _MIN, _MAX, _DONE = range(9)
 
 try:  # triton is optional: without it the kernel is simply unavailable
-    import triton
-    import triton.language as tl
+    import triton  # type: ignore[import-untyped]
+    import triton.language as tl  # type: ignore[import-untyped]
 
     _IMPORT_ERROR: Optional[str] = None
 except Exception as exc:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+    triton = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
     class tl:  # type: ignore[no-redef]  # noqa: N801 - lets the kernel's annotations evaluate without triton
@@ -268,7 +267,7 @@ def _launch(xs: Sequence[Tensor], table: Tensor, args: Sequence[int]) -> None:
         nblocks.append(max(1, -(-n // block)))
     scratch = _scratch_for(device, chan_at)
     grid = (max(nblocks), len(ptrs))
-    quiet = contextlib.nullcontext()
+    quiet: Any = contextlib.nullcontext()
     if interpreting():  # numpy warns where float32 squares overflow: those blocks are redone wide
         import numpy
 
