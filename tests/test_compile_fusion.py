@@ -1,4 +1,4 @@
-"""Statistics that fuse under torch.compile (``FXDEBUG_COMPILE_STATS=fused`` / ``fused_compile()``):
+"""Statistics that fuse under torch.compile (``FXDEBUG_COMPILE_STATS=inline`` / ``fused_compile()``):
 the fused op's Functionalize kernel (fxdebug/runtime/functional.py) turns each observation into
 aten reductions, so AOTAutograd's graph holds no fxdebug op and Inductor's generated code calls
 none (the reductions run inside the kernels that produce the activations), with the same numbers

@@ -3,7 +3,7 @@
 #   1. the CUDA tests (pytest -m cuda): the Triton kernel against the CPU kernel, training on CUDA, ...
 #   2. the debugging-size suite on the GPU (tools/bench.py --suite debug --device cuda): eager and
 #      torch.compile, forward and forward + backward, kernels per observed node from the profiler;
-#   3. torch.compile with the statistics fused into Inductor's kernels (FXDEBUG_COMPILE_STATS=fused);
+#   3. torch.compile with the statistics fused into Inductor's kernels (FXDEBUG_COMPILE_STATS=inline);
 #   4. the kernel check: the same suite's models with FXDEBUG_KERNEL=torch (the pure-torch path).
 # Writes gpu-check/{tests.txt,bench-cuda*.md,summary.md}; paste summary.md into
 # docs/performance.md ("GPU" section). Usage: tools/gpu_check.sh [--quick] [OUT_DIR]
@@ -34,9 +34,9 @@ fi
 python tools/bench.py --suite debug --device cuda --compile "${ARGS[@]}" --out "$OUT/bench-cuda.md" \
     > "$OUT/bench-cuda.log" 2>&1
 echo >> "$OUT/summary.md"; cat "$OUT/bench-cuda.md" >> "$OUT/summary.md"
-FXDEBUG_COMPILE_STATS=fused python tools/bench.py --suite debug --device cuda --compile --no-backward "${ARGS[@]}" \
+FXDEBUG_COMPILE_STATS=inline python tools/bench.py --suite debug --device cuda --compile --no-backward "${ARGS[@]}" \
     --out "$OUT/bench-cuda-fused-compile.md" > "$OUT/bench-cuda-fused-compile.log" 2>&1
-{ echo; echo "## torch.compile with the statistics fused into Inductor's kernels (FXDEBUG_COMPILE_STATS=fused)"; echo;
+{ echo; echo "## torch.compile with the statistics fused into Inductor's kernels (FXDEBUG_COMPILE_STATS=inline)"; echo;
   cat "$OUT/bench-cuda-fused-compile.md"; } >> "$OUT/summary.md"
 FXDEBUG_KERNEL=torch python tools/bench.py --suite debug --device cuda --no-backward "${ARGS[@]}" \
     --out "$OUT/bench-cuda-torch-path.md" > "$OUT/bench-cuda-torch-path.log" 2>&1

@@ -17,7 +17,7 @@ observes tensors of a device type (the report's notes say it too); ``use(name)``
 (and CUDA) kernel for a block of code, in process (tests and benchmarks).
 
 Under torch.compile the op is one extern call per observed node by default. With
-``FXDEBUG_COMPILE_STATS=fused`` (or inside ``fused_compile()``) its ``Functionalize`` kernel
+``FXDEBUG_COMPILE_STATS=inline`` (or inside ``fused_compile()``) its ``Functionalize`` kernel
 (``functional.py``) expresses it as aten reductions that Inductor fuses into the producing
 kernels instead — correct and extern-free, but measured slower on CPU so far (docs/performance.md).
 
@@ -185,10 +185,10 @@ def load() -> str:
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
-        mode = os.environ.get("FXDEBUG_COMPILE_STATS", "opaque").strip().lower() or "opaque"
-        if mode not in ("opaque", "fused"):
-            raise UsageError(f"FXDEBUG_COMPILE_STATS={mode!r}: expected 'opaque' (default) or 'fused'")
-        if mode == "fused":
+        mode = os.environ.get("FXDEBUG_COMPILE_STATS", "extern").strip().lower() or "extern"
+        if mode not in ("extern", "inline"):
+            raise UsageError(f"FXDEBUG_COMPILE_STATS={mode!r}: expected 'extern' (default) or 'inline'")
+        if mode == "inline":
             _STATE["fused_lib"] = _register_fused()
         cpu = "c++" if have else "torch"
         if want in ("triton", "torch"):
@@ -230,7 +230,7 @@ def _register_fused() -> Any:
 @contextlib.contextmanager
 def fused_compile() -> Iterator[None]:
     """Inside the block, graphs that torch.compile traces get the statistics as fusible aten
-    reductions instead of one extern call per observed node (``FXDEBUG_COMPILE_STATS=fused``
+    reductions instead of one extern call per observed node (``FXDEBUG_COMPILE_STATS=inline``
     does it for the whole process). Turn inductor's FX graph cache off when switching: it does
     not key on this registration."""
     load()
