@@ -200,6 +200,7 @@ class ParamUpdates(fxdebug.Pass):
 
     Args:
         optimizer: the ``torch.optim.Optimizer`` (or ``fxdebug.guard`` of one) that trains the model.
+        where: limit the watched parameters to those of the selected modules / nodes.
 
     See the module docstring for the figures and the ``update_spike`` finding.
     """
@@ -207,12 +208,18 @@ class ParamUpdates(fxdebug.Pass):
     name = "param-updates"
     observe_only = True
 
-    def __init__(self, optimizer: Any) -> None:
-        super().__init__()
+    def __init__(self, optimizer: Any, *, where: fxdebug.authoring.Where = None) -> None:
+        super().__init__(where=where)
         inner = getattr(optimizer, "optimizer", optimizer)  # fxdebug.guard(...) wraps one
         if not isinstance(inner, torch.optim.Optimizer):
             raise UsageError(f"ParamUpdates(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
         self.table = UpdateTable(inner)
+
+    def _selects(self, node: Node) -> bool:
+        covers = getattr(self.where, "covers", None)  # outputs_of("layer1"): the modules themselves
+        if covers is not None:
+            return bool(covers(fxdebug.module_path(node)))
+        return self.where is None or fxdebug.matches(self.where, node)
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per parameter of the optimizer, keyed by its name (``param``), in group order:
@@ -249,7 +256,7 @@ class ParamUpdates(fxdebug.Pass):
         groups: dict[Node, dict[str, nn.Parameter]] = {}
         seen: set[int] = set()
         for node in list(gm.graph.nodes):
-            if fxdebug.is_instrumentation(node):
+            if fxdebug.is_instrumentation(node) or not self._selects(node):
                 continue
             params: dict[str, nn.Parameter] = {}
             host: Node | None = None

@@ -49,9 +49,10 @@ def test_bad_patterns_are_refused():
         fxdebug.outputs_of("")
 
 
-def _make(name: str, where):
+def _make(name: str, where, model=None):
     """Each built-in pass, limited by ``where``, with the arguments it needs."""
     needs = {
+        "ParamUpdates": lambda: lib.ParamUpdates(torch.optim.SGD(model.parameters(), lr=0.1), where=where),
         "Breakpoint": lambda: lib.Breakpoint(where, action=lambda hit: None),
         "Capture": lambda: lib.Capture(where=where),
         "Freeze": lambda: lib.Freeze(where),
@@ -80,11 +81,11 @@ def test_every_builtin_pass_accepts_outputs_of(name):
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
     where = fxdebug.outputs_of("layer1.*")
-    p = _make(name, where)
+    p = _make(name, where, model)
     assert p is not None
     if name in ("Fuse", "SwapActivation"):  # transforms: outputs of layer1 blocks are F.relu nodes
         where = fxdebug.outputs_of("layer1.*.bn2") if name == "Fuse" else where
-        p = _make(name, where)
+        p = _make(name, where, model)
     try:
         dbg = fxdebug.instrument(model, [p], example_inputs=(x,))
     except fxdebug.UsageError as exc:  # a pass that cannot act on these nodes must say so, naming the where
@@ -102,6 +103,11 @@ def test_every_builtin_pass_accepts_outputs_of(name):
     if name == "ParamGrads":  # parameters of the modules named (their outputs hold none)
         dbg(x).sum().backward()
         rows = [r for r in dbg.report().rows if r.get("param_grad_calls")]
+        assert rows and all(r["module"].startswith("layer1.") for r in rows)
+    if name == "ParamUpdates":  # only the parameters of the modules named are watched
+        dbg(x).sum().backward()
+        p.table.optimizer.step()
+        rows = [r for r in dbg.report().rows if r.get("update_norm") is not None]
         assert rows and all(r["module"].startswith("layer1.") for r in rows)
     if name == "SwapActivation":
         swapped = [n for n in dbg.graph.nodes if "swap" in str(fxdebug.fx_meta(n).get("changed_by", ""))]
