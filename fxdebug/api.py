@@ -104,7 +104,8 @@ def _capture(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions
     captured = FRONTENDS[frontend].capture(model, inputs, options)
     if isinstance(captured, Capture):
         return Instrumented.from_capture(model, captured)
-    return captured  # the subtrees frontend assembles its eager root itself
+    assert isinstance(captured, Instrumented)  # the subtrees frontend assembles its eager root itself
+    return captured
 
 
 def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:

@@ -88,7 +88,7 @@ class LiveInstrumented(Instrumented):
     def recompile(self) -> Any:
         code = GraphModule_recompile(self)
         type(self).__call__ = LiveInstrumented._live_call  # type: ignore[method-assign]
-        type(self).forward = LiveInstrumented._live_call  # type: ignore[method-assign]
+        type(self).forward = LiveInstrumented._live_call
         return code
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,7 +146,7 @@ class LiveInstrumented(Instrumented):
         """Every graph Dynamo handed over while this module ran, in the order they were captured."""
         return list(self.__dict__["_parts"])
 
-    def parts(self) -> dict[str, Instrumented]:  # type: ignore[override]
+    def parts(self) -> dict[str, Instrumented]:
         """``{"frame/recompile": Instrumented}`` for every graph captured so far, in capture order."""
         return {g.key: p.part for g, p in self.__dict__["_parts"].items()}
 
