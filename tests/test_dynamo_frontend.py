@@ -137,3 +137,34 @@ def test_render_draws_the_captured_graph_and_attributes_pass_through(tmp_path):
     out = dbg.render(str(tmp_path / "live.svg"))
     assert (tmp_path / "live.svg").exists() and out.endswith(".svg")
     assert dbg.note == "kept"  # the model's own attributes, through the live module
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_calls_under_a_user_dispatch_mode_run_the_graph_under_the_mode():
+    # torch.compile skips a frame while a non-infra dispatch mode is on the stack: rows showed 0 calls
+    model, x = MLP(), torch.randn(2, 4)
+    dbg = _dbg(model, x)
+    with _CountOps() as mode:
+        for _ in range(3):
+            y = dbg(x)
+    assert torch.allclose(y, model(x))
+    assert {r["node"]: r["calls"] for r in dbg.report().rows} == {"x": 3, "fc1": 3, "relu": 3, "fc2": 3}
+    assert torch.ops.aten.addmm.default in mode.ops  # the user's mode still saw the graph's ops
+
+
+def test_an_lstm_is_captured():
+    model = nn.LSTM(4, 3, batch_first=True)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(torch.randn(2, 5, 4),), frontend="dynamo")
+    x = torch.randn(2, 5, 4)
+    assert torch.allclose(dbg(x)[0], model(x)[0])
+    rows = dbg.report().rows
+    assert rows and all(r["calls"] == 1 for r in rows)

@@ -128,11 +128,14 @@ class dynamo_config:  # noqa: N801 - used as a context manager, like torch's con
 
     Hook guards on, so that a hook added after instrument is seen; a higher recompile limit, since
     every live module of one class shares that class's ``forward`` cache (a debugging session
-    switches modes, keyword signatures and shapes more than a production loop). The same as
+    switches modes, keyword signatures and shapes more than a production loop); ``allow_rnn``, so
+    that ``nn.LSTM``/``nn.GRU`` are captured (by default Dynamo runs an RNN module's frame eagerly:
+    no graph, no rows). The same as
     ``torch._dynamo.config.patch(...)`` but without building a patch object per call (~20 µs).
     """
 
-    SETTINGS = {"skip_nnmodule_hook_guards": False, "recompile_limit": 64, "accumulated_recompile_limit": 4096}
+    SETTINGS = {"skip_nnmodule_hook_guards": False, "allow_rnn": True, "recompile_limit": 64,
+                "accumulated_recompile_limit": 4096}
 
     def __enter__(self) -> None:
         config = torch._dynamo.config

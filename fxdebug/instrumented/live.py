@@ -16,17 +16,20 @@ the reason Dynamo gave.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
+from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _push_mode,
+                                          any_torch_dispatch_mode_on_stack)
 
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
@@ -49,6 +52,22 @@ from fxdebug.runtime.observer import Observer
 __all__ = ["LiveInstrumented"]
 
 _GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
+_MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
+               "eagerly between graphs (after a graph break) did not")
+
+
+@contextlib.contextmanager
+def _modes_on(modes: list[Any]) -> Iterator[None]:
+    """Push ``modes`` (top of the stack first, as ``_disable_current_modes`` lists them) back for a block."""
+    pushed = 0
+    try:
+        for mode in reversed(modes):
+            _push_mode(mode)
+            pushed += 1
+        yield
+    finally:
+        for _ in range(pushed):
+            _pop_mode()
 
 
 class LiveInstrumented(Instrumented):
@@ -93,6 +112,8 @@ class LiveInstrumented(Instrumented):
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
         self.__dict__["_calls"] += 1
+        if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
+            return self._call_under_modes(args, kwargs)
         try:
             with live(self), dynamo_config(), warnings.catch_warnings():
                 # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
@@ -101,13 +122,41 @@ class LiveInstrumented(Instrumented):
         except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors while capturing
             raise _diagnosed(self._model, args, kwargs, exc) from exc
 
+    def _call_under_modes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A call under the user's ``TorchDispatchMode`` (one that checks for host syncs, counts ops, ...).
+
+        ``torch.compile`` runs a frame eagerly while a non-infra dispatch mode is on the stack, so the
+        instrumented graphs would never run (every row 0 calls). The modes are lifted off the stack
+        while Dynamo checks its guards (or captures, on fake tensors), and put back around each
+        captured graph's run: the user's mode sees every op of the graphs, the observers' included.
+        Code Dynamo runs eagerly between graphs (after a graph break) runs without the modes; the
+        report says so.
+        """
+        lifted: list[Any] = self.__dict__.setdefault("_lifted", [])
+        with _disable_current_modes() as modes:
+            lifted.append(list(modes))
+            try:
+                with live(self), dynamo_config(), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
+                    return self.__dict__["_compiled"](*args, **kwargs)
+            except torch._dynamo.exc.TorchRuntimeError as exc:
+                raise _diagnosed(self._model, args, kwargs, exc) from exc
+            finally:
+                lifted.pop()
+
     # -- the session Dynamo's graphs run in ---------------------------------------------------------
     def run_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> Any:
         found = self.__dict__["_parts"].get(graph)
         if found is None:
             found = self._instrument_graph(graph, args)
         found.calls.append(self.__dict__["_calls"] - 1)  # this graph's next call index is the module's call
+        lifted = self.__dict__.get("_lifted")
         try:
+            if lifted:  # the user's dispatch modes, lifted while Dynamo checked its guards: back on for the graph
+                if graph.graph_break and _MODES_NOTE not in self.trace_info.notes:
+                    self.trace_info.notes.append(_MODES_NOTE)
+                with _modes_on(lifted[-1]):
+                    return found.run(*args)
             return found.run(*args)  # the part's forward over Dynamo's own arguments (model state included)
         except FxDebugError:
             raise
