@@ -163,10 +163,21 @@ class PassManager:
     def __init__(self, passes: Sequence[Pass]) -> None:
         self.passes = list(validate_passes(passes))
         self.results: list[PassResult] = []
+        self._stale = False  # the graph changed since the module's code was last generated
 
     def run(self, gm: GraphModule, ctx: PassContext) -> GraphModule:
+        # The code is generated once at the end, not after every pass (a recompile costs ~0.1 ms
+        # per node); a transform pass, which may call the module, and instruments watching each
+        # pass still see it compiled.
+        self._stale = False
         for p in self.passes:
+            if self._stale and not p.observe_only:
+                gm.recompile()
+                self._stale = False
             gm = self._run_one(p, gm, ctx)
+        if self._stale:
+            gm.recompile()
+            self._stale = False
         return gm
 
     def _run_one(self, p: Pass, gm: GraphModule, ctx: PassContext) -> GraphModule:
@@ -213,8 +224,12 @@ class PassManager:
         removed = [name for n, name in before.items() if n not in alive]
         if not result.removed:
             result.removed = removed
-        gm.recompile()
-        only_watching = p.observe_only and not removed and not result.changed and all(is_instrumentation(n) for n in added)
+        if ctx.instruments:
+            gm.recompile()
+        else:
+            self._stale = True
+        only_watching = (p.observe_only and not removed and not result.removed and not result.replaced
+                         and all(is_instrumentation(n) for n in added))
         if (added or removed or result.changed) and not only_watching:
             ctx.invalidate()  # (an observe-only pass that only added instrumentation keeps the model's shapes)
         self.results.append(result)

@@ -260,11 +260,16 @@ def capture_symbolic(
 def _live_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any]) -> LiveGuard:
     """The modules the graph traced through (not called as modules) and the arguments it takes."""
     leaves = {str(n.target) for n in graph.nodes if n.op == "call_module"}
-    inlined = [m for p, m in model.named_modules() if p and not any(p == leaf or p.startswith(f"{leaf}.")
-                                                                   for leaf in leaves)]
+    inlined = [m for p, m in model.named_modules() if p and not _under_a_leaf(p, leaves)]
     targets = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
     names = frozenset(t.lstrip("*") for t in targets)
     return LiveGuard(model, "symbolic", inlined, (names, dict(concrete), any(t.startswith("**") for t in targets)))
+
+
+def _under_a_leaf(path: str, leaves: set[str]) -> bool:
+    """Whether ``path`` is a leaf or inside one: a set lookup per dotted prefix, not a scan of the leaves."""
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in leaves for i in range(1, len(parts) + 1))
 
 
 def _fresh_list_arguments(graph: Graph) -> None:

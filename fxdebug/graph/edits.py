@@ -40,7 +40,9 @@ def add_module(gm: GraphModule, hint: str, module: nn.Module) -> str:
         gm.add_module(NAMESPACE, space)
     base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "m"
     name, i = base, 1
-    while hasattr(space, name):
+    taken = space.__dict__
+    while name in space._modules or name in taken or name in space._parameters or name in space._buffers \
+            or hasattr(type(space), name):  # hasattr(space, name) without nn.Module's failing __getattr__
         i += 1
         name = f"{base}_{i}"
     space.add_module(name, module)
@@ -77,8 +79,8 @@ def insert_after(node: Node, target: Target, args: tuple[Any, ...] | None = None
     """
     gm = _owner(node)
     args = (node,) if args is None else args
-    with node.graph.inserting_after(after if after is not None else node):
-        new = _call(gm, node, target, args, kwargs, hint)
+    new = _call(gm, node, target, args, kwargs, hint)
+    (after if after is not None else node).append(new)  # moved in place: no insert-point context per node
     _mark(new, node, pass_name)
     if rewire:
         node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)

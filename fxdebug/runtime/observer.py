@@ -465,9 +465,10 @@ class Observer(nn.Module):
         if probe.key in self.probes:
             return False
         self.probes[probe.key] = probe
-        self._grads = self._grads or probe.grads
+        state = self.__dict__  # plain values: skip nn.Module.__setattr__
+        state["_grads"] = self._grads or probe.grads
         if self._channel_dim is None:
-            self._channel_dim = probe.channel_dim
+            state["_channel_dim"] = probe.channel_dim
         return True
 
     @property
