@@ -24,6 +24,7 @@ from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
 from fxdebug.capture.subtrees import SubtreesFrontend
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.subtrees import subtrees_module
 from fxdebug.graph.meta import graph_record
 from fxdebug.instrumented.modes import remember
 from fxdebug.authoring.pipeline import Pass, PassManager, validate_passes
@@ -34,7 +35,7 @@ from fxdebug.graph.inputs import Inputs, clone_inputs, normalize_inputs, preserv
 from fxdebug.graph.usage import check_example_inputs, check_options, check_where_matched
 from fxdebug.instrumented.verify import verify
 
-__all__ = ["FRONTENDS", "instrument", "render", "run_pipeline", "trace"]
+__all__ = ["FRONTENDS", "instrument", "module_from_capture", "render", "run_pipeline", "trace"]
 
 FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
 _CHOICES = ("auto", "dynamo", *FRONTENDS)
@@ -101,11 +102,15 @@ def trace(
 
 def _capture(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
     """Capture with ``frontend``; the module is built from the ``Capture`` it returns."""
-    captured = FRONTENDS[frontend].capture(model, inputs, options)
-    if isinstance(captured, Capture):
-        return Instrumented.from_capture(model, captured)
-    assert isinstance(captured, Instrumented)  # the subtrees frontend assembles its eager root itself
-    return captured
+    return module_from_capture(model, FRONTENDS[frontend].capture(model, inputs, options))
+
+
+def module_from_capture(model: nn.Module, capture: Capture) -> Instrumented:
+    """The ``Instrumented`` module for what a frontend returned: one graph of the whole model, or an
+    eager root routing to the captured submodules (``Capture.parts`` with module paths)."""
+    if [part.path for part in capture.parts] == [""]:
+        return Instrumented.from_capture(model, capture)
+    return subtrees_module(model, capture)
 
 
 def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:

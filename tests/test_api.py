@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fxdebug
-from fxdebug.api import FRONTENDS
+from fxdebug.api import FRONTENDS, module_from_capture
 from fxdebug.authoring import INSTRUMENTATION, GraphRecord, graph_pass, node_meta
 from fxdebug.capture.base import Capture, TraceOptions
 from fxdebug.passes import NaNCheck, StatCollector
@@ -20,11 +20,16 @@ def test_every_frontend_returns_an_instrumented_module_with_parts():
     model, (x,) = ZOO["transformer_block"]()
     model.eval()  # dropout off: the captures must compute exactly what the model computes
     for name, frontend in FRONTENDS.items():
-        gm = frontend.capture(model, ((x,), {}), TraceOptions())
-        if isinstance(gm, Capture):  # data: parts with their graphs; the module is built from it
-            assert [p.path for p in gm.parts] == [""] and isinstance(gm.part.graph_module, torch.fx.GraphModule)
-            assert gm.part.inputs is None and gm.info.frontend == name
-            gm = fxdebug.Instrumented.from_capture(model, gm)
+        captured = frontend.capture(model, ((x,), {}), TraceOptions())
+        # data: parts with their graphs; the module is built from it one floor up
+        assert isinstance(captured, Capture) and captured.info.frontend == name
+        assert captured.parts and all(isinstance(p.graph_module, torch.fx.GraphModule) for p in captured.parts)
+        if name == "subtrees":  # the root stays eager; each part has the inputs it was recorded on
+            assert "" not in [p.path for p in captured.parts]
+            assert all(p.inputs is not None and p.root_path == p.path for p in captured.parts)
+        else:
+            assert [p.path for p in captured.parts] == [""] and captured.part.inputs is None
+        gm = module_from_capture(model, captured)
         assert isinstance(gm, fxdebug.Instrumented) and gm.trace_info.frontend == name
         parts = gm.parts()
         assert parts and all(isinstance(p, fxdebug.Instrumented) for p in parts.values())

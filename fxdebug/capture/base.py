@@ -49,12 +49,15 @@ class Part:
         inputs: ``(args, kwargs)`` the part was called with when the frontend recorded the model,
             for the pass pipeline; ``None`` when it runs on the caller's example inputs.
         root_path: the part's path from the model's root, which ``where=`` patterns name.
+        info: how this part was captured (``TraceInfo``) when it differs from the capture's own
+            (subtrees: each part by its own graph frontend); ``None``: the capture's ``info``.
     """
 
     path: str
     graph_module: GraphModule
     inputs: CallInputs | None = None
     root_path: str = ""
+    info: Any = None
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Capture:
     parts: list[Part]
     info: Any  # TraceInfo (fxdebug.capture.symbolic)
     notes: list[str] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)  # recorded on the module's GraphRecord.extras (part_flow)
 
     @property
     def part(self) -> Part:
