@@ -168,3 +168,26 @@ def test_an_lstm_is_captured():
     assert torch.allclose(dbg(x)[0], model(x)[0])
     rows = dbg.report().rows
     assert rows and all(r["calls"] == 1 for r in rows)
+
+
+class _Moded(MLP):
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return self.fc2(h) * (2.0 if self.training else 1.0)
+
+
+def test_rows_merged_across_captures_follow_the_column_merge_rules():
+    # model.eval(): the training guard fails, Dynamo captures the same forward again; relu's rows merge
+    torch.manual_seed(0)
+    model, x, x2 = _Moded(), torch.randn(16, 4), torch.randn(16, 4)
+    dbg = _dbg(model, x)
+    dbg(x)
+    model.eval()
+    dbg(x2)
+    assert len(dbg.parts()) == 2
+    (relu,) = [r for r in dbg.report().rows if r["node"] == "relu"]
+    assert relu["calls"] == 2
+    h = torch.relu(model.fc1(torch.cat([x, x2]))).detach()
+    assert relu["dead_frac"] is not None  # was None: the merge ignored the column's declared rule
+    assert relu["dead_frac"] == pytest.approx(float((h.amax(0) <= 0).float().mean()))
+    assert relu["max"] == pytest.approx(float(h.max()), rel=1e-5)

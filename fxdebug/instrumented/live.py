@@ -43,7 +43,7 @@ from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.render.draw import render as draw
-from fxdebug.report.distributed import _merge_rows
+from fxdebug.report.distributed import _merge_rows, channel_maxima
 from fxdebug.report.report import Report, merge_reports
 from fxdebug.runtime.columns import ORIGIN, resolve_columns
 from fxdebug.runtime.lower import lower_observers
@@ -248,16 +248,29 @@ class LiveInstrumented(Instrumented):
         for found in self.__dict__["_parts"].values():
             rep = found.part._part_report()
             _global_calls(rep, found.calls)
-            reports.append(rep)
-        by_name: dict[str, list[dict[str, Any]]] = {}
-        for rep in reports:
+            reports.append((rep, found.part))
+        seen: dict[str, int] = {}
+        for rep, _ in reports:
             for row in rep.rows:
-                by_name.setdefault(row["node"], []).append(row)
-        columns = resolve_columns(c for rep in reports for c in rep.columns)
+                seen[row["node"]] = seen.get(row["node"], 0) + 1
+        by_name: dict[str, list[tuple[dict[str, Any], list[float] | None]]] = {}
+        for rep, part in reports:
+            # per-channel maxima (what dead_frac merges over), read only from a capture sharing a node with another
+            maxima = channel_maxima(part) if any(seen[r["node"]] > 1 for r in rep.rows) else {}
+            for row in rep.rows:
+                by_name.setdefault(row["node"], []).append((row, maxima.get(row["node"])))
+        columns = resolve_columns(c for rep, _ in reports for c in rep.columns)
         rows = []
+        merge_notes: list[str] = []
         for name, found in by_name.items():  # one row per node identity: its captures merged like ranks
-            rows.append(found[0] if len(found) == 1 else _merge_rows([[r] for r in found], columns=columns)[0][0])
-        notes = [n for rep in reports for n in rep.notes]
+            if len(found) == 1:
+                rows.append(found[0][0])
+                continue
+            per_capture = [{name: m} if m is not None else {} for _, m in found]
+            merged, why = _merge_rows([[r] for r, _ in found], per_capture, columns=columns)
+            rows.append(merged[0])
+            merge_notes.extend(n.replace("distributed: ", "dynamo: ").replace("ranks", "captures") for n in why)
+        notes = [n for rep, _ in reports for n in rep.notes] + merge_notes
         one = Report(rows=rows, columns=columns, notes=list(dict.fromkeys(notes)), calls=self.__dict__["_calls"],
                      frontend="dynamo")
         merged = merge_reports({"": one}, frontend="dynamo", notes=self._summary_notes())
