@@ -226,3 +226,19 @@ def test_first_nonfinite_is_first_in_time_across_captures():
     report = dbg.report()
     assert report.first_nonfinite == "x"
     assert report.row("x")["nonfinite_first_call"] == 2 and report.row("labels")["nonfinite_first_call"] == 3
+
+
+def test_verify_runs_on_a_live_module_and_leaves_its_report_alone():
+    model = Net()
+    x = torch.randn(4, 4)
+    dbg = fxdebug.instrument(model, _passes(), example_inputs=(x,), **FRONTEND)
+    dbg(x)
+    before = {r["node"]: r["calls"] for r in dbg.report().rows}
+    parts = list(dbg.parts())
+    model.head = nn.Linear(8, 3)  # changed after instrument: verify compares against the model as it is now
+    result = fxdebug.verify(dbg, (x,))  # was an ArgumentTypeError: no mode-switch record on a live module
+    assert result.ok, result.mismatches
+    assert result.compared > 0
+    assert list(dbg.parts()) == parts  # the eval-mode graph verify captured is dropped again
+    assert {r["node"]: r["calls"] for r in dbg.report().rows} == before
+    assert dbg.report().calls == 1

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from fxdebug.errors import ArgumentTypeError, MissingInputsError, VerificationError
 from fxdebug.graph.inputs import bind_inputs, clone_inputs, normalize_inputs
+from fxdebug.instrumented.face import model_of
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import fx_meta
 from fxdebug.graph.module_state import restore_containers, restore_random_state, saved_containers, saved_random_state
@@ -109,7 +110,7 @@ def _namespaces(dbg: Any) -> list[nn.Module]:
     found: dict[int, nn.Module] = {}
     parts = dbg.parts() if isinstance(dbg, Instrumented) else {"": dbg}
     for part in {id(dbg): dbg, **{id(p): p for p in parts.values()}}.values():
-        space = part._modules.get(NAMESPACE)
+        space = part._modules.get(NAMESPACE) or part.__dict__.get(NAMESPACE)  # a live part keeps it in __dict__
         if space is not None:
             found[id(space)] = space
         rec = recipe(part)
@@ -164,6 +165,29 @@ def _statistics_kept(dbg: Any) -> Iterator[None]:
                     reset = getattr(m, "reset", None)
                     if callable(reset) and m is not space:
                         reset()
+
+
+@contextlib.contextmanager
+def _live_kept(dbg: Any) -> Iterator[None]:
+    """A live (Dynamo) module's own bookkeeping is put back: its call count, each graph's calls.
+
+    A graph captured during verify (the other mode) is dropped again: it is instrumented anew,
+    with empty statistics, when a user's call first runs it.
+    """
+    state = dbg.__dict__
+    if "_parts" not in state or "_calls" not in state:
+        yield
+        return
+    calls, parts = state["_calls"], dict(state["_parts"])
+    lengths = {graph: len(found.calls) for graph, found in parts.items()}
+    try:
+        yield
+    finally:
+        state["_calls"] = calls
+        for graph in [g for g in state["_parts"] if g not in parts]:
+            del state["_parts"][graph]
+        for graph, n in lengths.items():
+            del parts[graph].calls[n:]
 
 
 _SKIP = frozenset(nn.Module().__dict__) - {"_buffers"}
@@ -237,17 +261,17 @@ def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", 
     ``rtol``/``atol`` for transform passes meant to be close, not exact.
     """
     rec = recipe(dbg)
-    if rec is None:
+    model = rec.model if rec is not None else model_of(dbg) if isinstance(dbg, Instrumented) else None
+    if model is None or model is dbg:
         raise ArgumentTypeError("verify() needs a module made by fxdebug.trace / fxdebug.instrument in this process "
                                 "(it compares against the model it was made from); got "
                                 f"{type(dbg).__name__}.")
-    model = rec.model
     inputs = normalize_inputs(example_inputs)
     if inputs is None:
         raise MissingInputsError("verify() runs the model: pass example_inputs=(x,) (or a dict of keyword inputs).")
     args, kwargs = inputs
     result = Verification(ok=True, modes=tuple(modes))
-    with _restored(model, dbg), _statistics_kept(dbg):
+    with _restored(model, dbg), _statistics_kept(dbg), _live_kept(dbg):
         modules = list({id(m): m for r in (model, dbg) for m in r.modules()}.values())
         start = {id(m): (m, dict(m._buffers), {k: v.detach().clone() for k, v in m._buffers.items() if v is not None})
                  for m in modules}
