@@ -16,28 +16,23 @@ from typing import Any, Sequence
 from torch import nn
 from torch.fx import GraphModule
 
-from fxdebug.authoring.context import PassContext
 from fxdebug.report.distributed import unwrap_parallel
-from fxdebug.errors import ArgumentTypeError, FxDebugError, MissingInputsError, TraceError, UsageError
-from fxdebug.capture.base import Capture, Frontend, TraceOptions
-from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
-from fxdebug.capture.subtrees import SubtreesFrontend
+from fxdebug.errors import ArgumentTypeError, FxDebugError, TraceError, UsageError
+from fxdebug.capture.base import TraceOptions
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
-from fxdebug.instrumented.subtrees import subtrees_module
+from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
 from fxdebug.graph.meta import graph_record
 from fxdebug.instrumented.modes import remember
-from fxdebug.authoring.pipeline import Pass, PassManager, validate_passes
+from fxdebug.authoring.pipeline import Pass, validate_passes
 from fxdebug.render.draw import render as draw
 from fxdebug.report.report import Report
-from fxdebug.runtime.lower import lower_observers
-from fxdebug.graph.inputs import Inputs, clone_inputs, normalize_inputs, preserved_state
+from fxdebug.graph.inputs import clone_inputs, normalize_inputs, preserved_state
 from fxdebug.graph.usage import check_example_inputs, check_options, check_where_matched
 from fxdebug.instrumented.verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "module_from_capture", "render", "run_pipeline", "trace"]
 
-FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
 _CHOICES = ("auto", "dynamo", *FRONTENDS)
 # instrument(frontend="auto"): the live Dynamo capture unless a pass transforms the graph (then symbolic,
 # export, subtrees, noted); off, "auto" stays on that snapshot chain for every pass list. Off until the whole
@@ -83,7 +78,7 @@ def trace(
     model, unwrapped = unwrap_parallel(model)  # DDP / DataParallel: the model is .module
     if isinstance(model, Instrumented):
         again = model.retrace()
-        remember(again, model, (), example_inputs, {}, instrument)
+        remember(again, model, (), example_inputs, {}, recapture)
         return again
     if frontend not in _CHOICES:
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_CHOICES)}.")
@@ -96,21 +91,13 @@ def trace(
     if unwrapped:
         gm.trace_info.notes.insert(0, unwrapped)
     remember(gm, model, (), example_inputs,  # so that a switch of training mode captures that mode's graph
-             {"leaf_modules": tuple(leaf_modules), "auto_leaf": auto_leaf, "dynamic_batch": dynamic_batch}, instrument)
+             {"leaf_modules": tuple(leaf_modules), "auto_leaf": auto_leaf, "dynamic_batch": dynamic_batch}, recapture)
     return gm
 
 
 def _capture(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
     """Capture with ``frontend``; the module is built from the ``Capture`` it returns."""
-    return module_from_capture(model, FRONTENDS[frontend].capture(model, inputs, options))
-
-
-def module_from_capture(model: nn.Module, capture: Capture) -> Instrumented:
-    """The ``Instrumented`` module for what a frontend returned: one graph of the whole model, or an
-    eager root routing to the captured submodules (``Capture.parts`` with module paths)."""
-    if [part.path for part in capture.parts] == [""]:
-        return Instrumented.from_capture(model, capture)
-    return subtrees_module(model, capture)
+    return capture_module(frontend, model, inputs, options)
 
 
 def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
@@ -146,39 +133,6 @@ def _trace_auto(model: nn.Module, inputs: Any, options: TraceOptions) -> Instrum
     return gm
 
 
-def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any = None,
-                 prior: Report | None = None) -> Instrumented:
-    """Run ``passes`` over every part of ``gm``, each on the inputs that part is called with.
-
-    A single-graph capture is one part, run on ``example_inputs``; a part a frontend recorded
-    its own inputs for (subtrees) runs on those. Shapes are learnt before the passes (which also
-    validates the inputs against the model, naming the failing node) and again after a transform.
-    """
-    pass_list = list(passes)
-    observe_only = all(p.observe_only for p in pass_list)
-    check_where_matched(pass_list, gm.parts())
-    for path, part in gm.parts().items():
-        recorded = part.recorded_inputs()
-        if recorded is not None:
-            inputs: Any = Inputs(*recorded[0], **recorded[1])
-        elif path:
-            raise MissingInputsError(f"no recorded inputs for captured module '{path}'; trace the model again "
-                             "with example_inputs before instrumenting it.", module=path)
-        else:
-            inputs = example_inputs
-        ctx = PassContext(inputs, prior_report=prior)
-        if ctx.inputs is not None:
-            ctx.specs(part)
-        manager = PassManager(pass_list)
-        new = manager.run(part, ctx)
-        if ctx.inputs is not None and (not observe_only or recorded is not None):
-            ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
-        lower_observers(new)  # fused observers become direct op calls (runtime/lower.py)
-        graph_record(new).passes.extend(manager.results)
-        gm = gm.replace_part(path, new)  # type: ignore[arg-type]
-    return gm
-
-
 def instrument(
     model: nn.Module,
     passes: Sequence[Pass] = (),
@@ -208,7 +162,7 @@ def instrument(
     gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
     if static_why:
         gm.trace_info.notes.insert(0, static_why)
-    remember(gm, model, pass_list, example_inputs, trace_options, instrument)
+    remember(gm, model, pass_list, example_inputs, trace_options, recapture)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:  # outputs, every gradient and buffers against the model, in train and eval mode
         verify(gm, example_inputs).raise_if_failed()

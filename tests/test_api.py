@@ -155,3 +155,22 @@ def test_errors_have_one_class_per_meaning():
     for call in (lambda: fxdebug.trace(model, frontend="export"), lambda: fxdebug.trace(model, frontend="subtrees")):
         with pytest.raises(fxdebug.MissingInputsError):
             call()
+
+
+def test_mode_switch_recipe_is_data_and_recaptures_on_its_own_floor():
+    from torch import nn
+
+    from fxdebug.instrumented import pipeline
+    from fxdebug.instrumented.modes import recipe
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval(), torch.randn(3, 4)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,), frontend="export")
+    rec = recipe(dbg)
+    # the record is the recipe (model, frontend, inputs, passes); re-capture is instrumented/'s own function
+    assert rec is not None and rec.model is model and rec.frontend == "export"
+    assert [p.name for p in rec.passes] == ["stat-collector"] and rec.recapture is pipeline.recapture
+    assert not hasattr(rec, "instrument")
+    dbg.train()
+    dbg(x)  # the export graph bakes eval mode in: called in training mode, it is captured again
+    assert len(rec.captures) == 2 and rec.current is rec.captures[1] and rec.current.flags[0] is True

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -39,6 +39,9 @@ ModeKey = tuple[bool, ...]
 
 
 Guards = list[tuple[nn.Module, str, Any]]  # (module, attribute, value the capture saw)
+# (model, frontend, passes, example inputs, trace options) -> the module captured again with those passes:
+# fxdebug.instrumented.pipeline.recapture, given by whoever records a recipe (this module never imports it)
+Recapture = Callable[[nn.Module, str, Sequence[Any], Any, dict[str, Any]], Any]
 
 
 @dataclass
@@ -69,7 +72,7 @@ class Recipe:
     options: dict[str, Any]
     passes: list[Any]
     modules: list[nn.Module]
-    instrument: Any = None  # fxdebug.instrument (passed in: this module sits below api.py)
+    recapture: Recapture | None = None  # capture + passes on this floor (fxdebug.instrumented.pipeline)
     part_inputs: dict[str, Any] = field(default_factory=dict)  # subtrees: each part's recorded inputs
     part: bool = False  # a captured submodule of the subtrees frontend (it stands in for ``model``)
     current: Capture | None = None
@@ -132,7 +135,7 @@ def _mark(rec: Recipe, capture: Capture) -> None:
 
 def _refuse_other_modes(gm: Any) -> None:
     """A module loaded from a file (or made without ``instrument``) cannot be captured again: refuse."""
-    record: Any = gm.meta.get("fxdebug") if hasattr(gm, "meta") else None
+    record: Any = gm.meta.get("fxdebug")  # gm: an Instrumented module (a GraphModule: it has meta)
     fixed = record.get("modes") if record is not None and hasattr(record, "get") else None
     if fixed is None:
         return
@@ -146,7 +149,7 @@ def _refuse_other_modes(gm: Any) -> None:
 
 
 def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
-             options: dict[str, Any], instrument: Any) -> None:
+             options: dict[str, Any], recapture: Recapture) -> None:
     """Record on ``gm`` (and on each captured part) how to capture it again in other modes."""
     inner = recipe(model)
     if inner is not None:  # instrument(instrument(m)): the same model, the passes of both
@@ -157,7 +160,7 @@ def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
     parts = gm.parts()
     top = frontend if frontend in ("symbolic", "export") else ""
     previous = recipe(gm)
-    rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model), instrument)
+    rec = Recipe(model, top, example_inputs, dict(options), list(passes), _descendants(model), recapture)
     if top:
         if previous is not None and previous.current is not None and previous.current.graph is gm.graph:
             base = previous.current.base  # instrument(): trace() saw this graph before the passes
@@ -184,7 +187,7 @@ def remember(gm: Any, model: Any, passes: Sequence[Any], example_inputs: Any,
         frontend_of_part = part.trace_info.frontend
         _install_recipe(part, Recipe(
             module, frontend_of_part if inputs is not None or frontend_of_part == "symbolic" else "",
-            inputs, sub, list(passes), _descendants(module), instrument, part=True))
+            inputs, sub, list(passes), _descendants(module), recapture, part=True))
 
 
 def follow_mode(gm: Any, mode: bool) -> None:
@@ -231,9 +234,9 @@ def _switch(gm: Any, rec: Recipe, flags: ModeKey) -> None:
 
 
 def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
-    instrument = rec.instrument
+    recapture = rec.recapture
     before = rec.current
-    assert before is not None
+    assert before is not None and recapture is not None
     shell: Any = copy.copy(rec.model)  # shares children, parameters, buffers; carries the root's new flag
     object.__setattr__(shell, "training", flags[0])
     was = "training" if before.flags[0] else "eval"
@@ -245,13 +248,13 @@ def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
             if rec.frontend == "symbolic" and any(c.base for c in rec.captures):
                 # symbolic tracing is cheap: trace first, and keep one graph (and its statistics) for
                 # every set of modes that traces to the same code
-                new = instrument(shell, [], rec.inputs, frontend="symbolic", **rec.options)
+                new = recapture(shell, "symbolic", [], rec.inputs, rec.options)
                 base = _code(new.graph)
                 reused = next((c for c in rec.captures if c.base == base), None)
                 if reused is None and rec.passes:
-                    new = instrument(new, rec.passes, rec.inputs)
+                    new = recapture(new, "symbolic", rec.passes, rec.inputs, rec.options)
             else:
-                new = instrument(shell, rec.passes, rec.inputs, frontend=rec.frontend, **rec.options)
+                new = recapture(shell, rec.frontend, rec.passes, rec.inputs, rec.options)
     except Exception as exc:
         raise TraceError(
             f"{type(rec.model).__name__} was captured in {was} mode and is now called in {now} mode; capturing "

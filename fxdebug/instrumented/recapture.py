@@ -56,7 +56,7 @@ def _dynamic(gm: nn.Module) -> bool:
 def route_call(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module | None:
     """The capture for this call's signature when it is not ``gm``'s own; ``None`` to run ``gm``."""
     rec = recipe(gm)
-    if rec is None or rec.frontend != "export" or rec.instrument is None:
+    if rec is None or rec.frontend != "export" or rec.recapture is None:
         return None
     store = gm.__dict__.get(_STORE)
     if store is None:
@@ -72,8 +72,7 @@ def route_call(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         from fxdebug.graph.inputs import Inputs
 
         options = {k: v for k, v in rec.options.items() if k in ("dynamic_batch",)}
-        other = rec.instrument(rec.model, rec.passes, example_inputs=Inputs(*args, **kwargs), frontend="export",
-                               **options)
+        other = rec.recapture(rec.model, "export", rec.passes, Inputs(*args, **kwargs), options)
         store[sig if _dynamic(other) else shaped] = other
         names = sorted(kwargs) if kwargs else [f"{len(args)} positional"]
         _notes(gm).append(

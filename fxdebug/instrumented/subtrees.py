@@ -7,7 +7,7 @@ own objects, and the eager root is a shallow copy of the model object whose chil
 fresh copies; every parameter and buffer is the model's own, so the model is never touched.
 
 Each captured submodule is one of ``SubtreeInstrumented.parts()``; the pass pipeline, the
-report and the picture loop over the parts (``api.run_pipeline``, ``Instrumented.report``), so
+report and the picture loop over the parts (``instrumented.pipeline.run_pipeline``, ``Instrumented.report``), so
 nothing here repeats them.
 """
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -38,9 +38,15 @@ __all__ = ["to_module"]
 NAMESPACE = "fxdebug"
 
 
-def to_module(dbg: Any, shrink: bool = False) -> nn.Module:
+class _Parted(Protocol):
+    """An ``Instrumented`` module (``fxdebug.instrumented.module`` imports this module, so it is named by shape)."""
+
+    def parts(self) -> dict[str, Any]: ...
+
+
+def to_module(dbg: _Parted, shrink: bool = False) -> nn.Module:
     """A plain, shippable module computing what ``dbg``'s transforms compute (see the module doc)."""
-    parts = dbg.parts() if hasattr(dbg, "parts") else {"": dbg}
+    parts = dbg.parts()  # {"": dbg} for one graph; the captured submodules for the subtrees frontend
     if list(parts) == [""]:
         plain = _plain(parts[""])
         return _shrunk(plain) if shrink else plain

@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from fxdebug.errors import UsageError
+from fxdebug.errors import ArgumentTypeError, UsageError
+from fxdebug.instrumented.module import Instrumented
 from fxdebug.runtime.columns import NONFINITE
 from fxdebug.runtime.slots import INDEX, K
 
@@ -57,6 +58,9 @@ def guard(optimizer: torch.optim.Optimizer, dbg: Any = None) -> "Guard":
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"fxdebug.guard(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                          "Pass the optimizer itself (not a scheduler or a list of parameters).")
+    if dbg is not None and not isinstance(dbg, Instrumented):
+        raise ArgumentTypeError(f"fxdebug.guard(optimizer, dbg=...): dbg must be an fxdebug.Instrumented model "
+                                f"(fxdebug.instrument(...)); got {type(dbg).__name__}.")
     return Guard(optimizer, dbg)
 
 
@@ -365,7 +369,7 @@ class Guard(torch.optim.Optimizer):
 
     def _tables_key(self) -> tuple[Any, ...]:
         """Identity of the model's captured parts and their state tables (cheap to compute)."""
-        parts = self.dbg.parts() if hasattr(self.dbg, "parts") else {"": self.dbg}
+        parts = self.dbg.parts()  # dbg: an Instrumented module (checked by guard())
         key = []
         for part in parts.values():
             clock = part._clock() if hasattr(part, "_clock") else None
