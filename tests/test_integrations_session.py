@@ -71,6 +71,8 @@ def test_an_instance_forward_set_before_is_put_back():
 def test_a_missing_framework_names_the_extra(monkeypatch, module, framework, extra):
     monkeypatch.setitem(sys.modules, framework, None)  # import of it fails as if not installed
     monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
+    for name in [m for m in sys.modules if m.startswith(f"{framework}.")]:  # submodules an earlier test imported
+        monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(ImportError, match=re.escape(f"pip install '{extra}'")):
         importlib.import_module(module)
