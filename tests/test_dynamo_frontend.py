@@ -191,3 +191,42 @@ def test_rows_merged_across_captures_follow_the_column_merge_rules():
     assert relu["dead_frac"] is not None  # was None: the merge ignored the column's declared rule
     assert relu["dead_frac"] == pytest.approx(float((h.amax(0) <= 0).float().mean()))
     assert relu["max"] == pytest.approx(float(h.max()), rel=1e-5)
+
+
+class _Rest(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, *rest):
+        return self.fc(x) + sum(rest)
+
+
+def _tensor_inputs(part):  # not Dynamo's dynamic-size placeholders (s0, ...)
+    return [n.name for n in part.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)]
+
+
+def test_input_placeholders_carry_the_forward_parameter_names():
+    seq = nn.Sequential(nn.Linear(4, 2))  # torch enters its forward through a wrapper: L['args'][0]
+    dbg = _dbg(seq, torch.randn(2, 4))
+    (part,) = dbg.parts().values()
+    assert _tensor_inputs(part) == ["input_1"]  # as torch.fx names it
+    dbg = fxdebug.instrument(_Rest(), [StatCollector()], frontend="dynamo")
+    dbg(torch.randn(2, 4), torch.randn(2, 4))
+    (part,) = dbg.parts().values()
+    assert _tensor_inputs(part) == ["x", "rest_0"]  # was l_rest_0_
+
+
+def test_model_moved_to_meta_after_instrument_gives_the_device_check_error():
+    from fxdebug.passes import DeviceCheck
+
+    model, x = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, [DeviceCheck(), StatCollector()], example_inputs=(x,), frontend="dynamo")
+    dbg(x)
+    model.to("meta")
+    assert dbg(x.to("meta")).device.type == "meta"
+    with pytest.raises(fxdebug.DeviceMismatchError, match="would mix devices") as e:  # was Dynamo's own error
+        dbg(x)
+    assert e.value.node == "_0"
+    assert "input_1" in str(e.value)

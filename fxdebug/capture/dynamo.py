@@ -24,6 +24,7 @@ This module is the part of that frontend below ``instrumented/``:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import threading
 from dataclasses import dataclass, field
@@ -172,9 +173,38 @@ def state_name(source: str) -> tuple[str, str, str] | None:
     return path, m.group(4), "parameter" if m.group(3) == "_parameters" else "buffer"
 
 
-def _input_name(source: str) -> str | None:
+_ITEM = re.compile(r"^L\['(\w+)'\]\[(?:(\d+)|'(\w+)')\]$")
+
+
+def _input_name(source: str, model: Any = None) -> str | None:
+    """The user's name for an input placeholder: the forward's parameter name.
+
+    ``L['x']`` is ``x``. A module whose ``forward`` Dynamo enters through torch's wrapper (an
+    ``nn.Sequential``, for one) hands its inputs over as ``L['args'][i]`` / ``L['kwargs']['k']``:
+    the i-th positional parameter of the model's ``forward``, or ``k``. Items of ``*rest`` are
+    ``rest_0``, ``rest_1``, ...
+    """
     m = _LOCAL_NAME.match(source)
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    m = _ITEM.match(source)
+    if m is None:
+        return None
+    container, index, key = m.group(1), m.group(2), m.group(3)
+    if key is not None:
+        return key if container == "kwargs" else f"{container}_{key}"
+    if container == "args" and model is not None:
+        try:
+            params = list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if int(index) < len(positional):
+            return positional[int(index)]
+        var = [p.name for p in params if p.kind == p.VAR_POSITIONAL]
+        if var:
+            return f"{var[0]}_{int(index) - len(positional)}"
+    return f"{container}_{index}"
 
 
 _ROOT = re.compile(r"^L\['\w+'\]\.?|^L__\w+?___?")
@@ -291,7 +321,7 @@ def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: 
                 fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind, dynamo_arg=index)
             else:
                 keep.append(index)
-                out = new.placeholder(_safe(_input_name(source) or node.name))
+                out = new.placeholder(_safe(_input_name(source, model) or node.name))
                 out.meta.update(meta)
                 fx_meta(out)["module"] = ""
             env[node] = out

@@ -120,7 +120,34 @@ class LiveInstrumented(Instrumented):
                 warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
                 return self.__dict__["_compiled"](*args, **kwargs)
         except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors while capturing
-            raise _diagnosed(self._model, args, kwargs, exc) from exc
+            raise (self._guarded(args, kwargs) or _diagnosed(self._model, args, kwargs, exc)) from exc
+
+    def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FxDebugError | None:
+        """The error a pass's run-time guard (``DeviceCheck``, ``ShapeAssert``) gives for these arguments.
+
+        Dynamo captures again when a guard fails (the model moved to ``meta``, another shape) and
+        fails on its fake tensors before any instrumented graph runs; the graphs captured before
+        read the model's state live, so running the one that takes these arguments raises what the
+        symbolic frontend would: the typed error of the pass, naming the node. Its statistics are
+        put back.
+        """
+        from fxdebug.instrumented.verify import _statistics_kept
+
+        if kwargs:
+            return None
+        for found in reversed(list(self.__dict__["_parts"].values())):
+            part = found.part
+            call = _user_arguments([n for n in part.graph.nodes if n.op == "placeholder"], args)
+            if call is None:
+                continue
+            try:
+                with _statistics_kept(part), torch.no_grad():
+                    part(*call)
+            except FxDebugError as err:
+                return err
+            except Exception:
+                continue
+        return None
 
     def _call_under_modes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A call under the user's ``TorchDispatchMode`` (one that checks for host syncs, counts ops, ...).
@@ -140,7 +167,7 @@ class LiveInstrumented(Instrumented):
                     warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
                     return self.__dict__["_compiled"](*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
-                raise _diagnosed(self._model, args, kwargs, exc) from exc
+                raise (self._guarded(args, kwargs) or _diagnosed(self._model, args, kwargs, exc)) from exc
             finally:
                 lifted.pop()
 
@@ -361,6 +388,31 @@ def _runner(part: Instrumented, count: int, keep: list[int]) -> Any:
     gm._modules = part._modules
     gm.__dict__[NAMESPACE] = part.__dict__.get(NAMESPACE)
     return gm.forward
+
+
+def _user_arguments(placeholders: list[Node], args: tuple[Any, ...]) -> list[Any] | None:
+    """``args`` (the user's tensors) as a part's placeholders take them: a dynamic size (Dynamo's
+    ``s0`` placeholder) read from the tensor whose captured shape holds it; ``None`` if they do not fit."""
+    tensors = [n for n in placeholders if not isinstance(n.meta.get("example_value"), torch.SymInt)]
+    if len(tensors) != len(args):
+        return None
+    sizes: dict[str, int] = {}
+    for n, a in zip(tensors, args):
+        value = n.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and isinstance(a, torch.Tensor) and value.dim() == a.dim():
+            for dim, size in zip(value.shape, a.shape):
+                if isinstance(dim, torch.SymInt):
+                    sizes.setdefault(str(dim), int(size))
+    out, given = [], iter(args)
+    for n in placeholders:
+        value = n.meta.get("example_value")
+        if isinstance(value, torch.SymInt):
+            if str(value) not in sizes:
+                return None
+            out.append(sizes[str(value)])
+        else:
+            out.append(next(given))
+    return out
 
 
 def _diagnose_part(part: Instrumented, keep: list[int], args: tuple[Any, ...], exc: Exception) -> None:
