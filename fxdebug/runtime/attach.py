@@ -12,11 +12,13 @@ from __future__ import annotations
 from torch.fx import GraphModule, Node
 
 from fxdebug.graph.edits import add_module, insert_after
-from fxdebug.graph.meta import CLOCK, INSTRUMENTATION, is_instrumentation, module_path, node_meta, op_label
+from fxdebug.graph.meta import CLOCK, INSTRUMENTATION, KEY, is_instrumentation, module_path, node_meta, op_label
 from fxdebug.runtime.observer import Clock, Observer, Probe
 from fxdebug.runtime.lower import find_lowered, unlower
 
 __all__ = ["Observation"]
+
+_NONE: dict[str, object] = {}
 
 
 class Observation:
@@ -34,7 +36,10 @@ class Observation:
         gm = node.graph.owning_module
         assert isinstance(gm, GraphModule), "node must belong to a GraphModule"
         # the cheap test first: building a node's typed meta costs more than comparing its op
-        obs_node = next((u for u in node.users if u.op == "call_module" and node_meta(u).observes == node.name), None)
+        # (the raw dict read, not the typed NodeMeta view: this runs once per probe per node)
+        name = node.name
+        obs_node = next((u for u in node.users
+                         if u.op == "call_module" and u.meta.get(KEY, _NONE).get("observes") == name), None)
         lowered = find_lowered(node) if obs_node is None else None
         if obs_node is None and lowered is not None:
             obs_node = unlower(gm, lowered)  # already lowered (re-instrumenting): back to its observer
