@@ -21,6 +21,7 @@ nor look non-finite. ``std`` comes from the running sums of x and x²: a varianc
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -78,6 +79,7 @@ def dead_over_ranks(rows: list[dict[str, Any]]) -> float | None:
     return sum(1 for v in top if v <= 0) / len(top) if top else None
 
 
+@functools.cache  # frozen declarations, shared by every probe (was ~1.7 KB per node)
 def stats_columns(counts: bool) -> tuple[Column, ...]:
     """What ``StatCollector`` reports, forward and (``grad_*``) backward."""
     cols = (
