@@ -53,7 +53,7 @@ class ParamGradProbe(Probe):
         self.params = params
         self.owner = owner
         self._handles: list[Any] = []
-        self._call: int | None = None
+        self._call: tuple[int, int] | None = None
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
         first = next(iter(self.params.values()))
@@ -63,9 +63,10 @@ class ParamGradProbe(Probe):
                 "count": sum(p.numel() for p in self.params.values())}
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or ctx.call == self._call:
+        call = (id(state), ctx.call)  # the state too: after reset() the calls count from 0 again
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling() or call == self._call:
             return  # no backward can come, or this forward (a module called twice) already has its hooks
-        self._call = ctx.call
+        self._call = call
         for h in self._handles:  # the previous forward had no backward
             h.remove()
         self._handles = []

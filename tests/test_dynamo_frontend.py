@@ -230,3 +230,15 @@ def test_model_moved_to_meta_after_instrument_gives_the_device_check_error():
         dbg(x)
     assert e.value.node == "_0"
     assert "input_1" in str(e.value)
+
+
+def test_param_grads_counts_the_first_backward_after_instrument():
+    # the quiet capture call at instrument ran the probe for call 0; after reset() the user's call 0 was skipped
+    from fxdebug.passes import ParamGrads
+
+    model, x = MLP(), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, [ParamGrads()], example_inputs=(x,), frontend="dynamo")
+    dbg(x).sum().backward()
+    rows = [r for r in dbg.report().rows if r.get("param_grad_calls")]
+    assert {r["param_module"] for r in rows} == {"fc1", "fc2"}
+    assert all(r["param_grad_calls"] == 1 for r in rows)
