@@ -282,7 +282,7 @@ class LiveInstrumented(Instrumented):
                 seen[row["node"]] = seen.get(row["node"], 0) + 1
         by_name: dict[str, list[tuple[dict[str, Any], list[float] | None]]] = {}
         for rep, part in reports:
-            # per-channel maxima (what dead_frac merges over), read only from a capture sharing a node with another
+            # per-channel maxima (what a channel column's merge rule reads), only from a capture sharing a node
             maxima = channel_maxima(part) if any(seen[r["node"]] > 1 for r in rep.rows) else {}
             for row in rep.rows:
                 by_name.setdefault(row["node"], []).append((row, maxima.get(row["node"])))
@@ -294,8 +294,8 @@ class LiveInstrumented(Instrumented):
                 rows.append(found[0][0])
                 continue
             per_capture = [{name: m} if m is not None else {} for _, m in found]
-            merged, why = _merge_rows([[r] for r, _ in found], per_capture, columns=columns)
-            rows.append(merged[0])
+            merged_rows, why = _merge_rows([[r] for r, _ in found], per_capture, columns=columns)
+            rows.append(merged_rows[0])
             merge_notes.extend(n.replace("distributed: ", "dynamo: ").replace("ranks", "captures") for n in why)
         notes = [n for rep, _ in reports for n in rep.notes] + merge_notes
         one = Report(rows=rows, columns=columns, notes=list(dict.fromkeys(notes)), calls=self.__dict__["_calls"],
