@@ -37,7 +37,8 @@ class Stage(nn.Module):
         self.act = nn.ReLU()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.act(self.conv(x))
+        y: Tensor = self.act(self.conv(x))
+        return y
 
 
 class Head(nn.Module):
@@ -50,7 +51,8 @@ class Head(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         t = torch.log(self.temperature(x))  # one projection is negative → NaN in that column
-        return self.fc(x) / t.sum(dim=1, keepdim=True)
+        logits: Tensor = self.fc(x)
+        return logits / t.sum(dim=1, keepdim=True)
 
 
 class DemoNet(nn.Module):
@@ -66,7 +68,8 @@ class DemoNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.stage2(self.stage1(self.stem(x)))
-        return self.head(torch.flatten(self.pool(x), 1))
+        y: Tensor = self.head(torch.flatten(self.pool(x), 1))
+        return y
 
 
 def demo_model() -> DemoNet:
@@ -103,7 +106,11 @@ def run_demo(out: str = "demo.svg", *, batches: int = 4, stream: TextIO | None =
     stream = stream if stream is not None else sys.stdout
     model = demo_model()
     data = demo_batches(batches)
-    say = lambda text="": print(text, file=stream)  # noqa: E731
+    sink: TextIO = stream
+
+    def say(text: str = "") -> None:
+        print(text, file=sink)
+
     say(f"fxdebug demo: {type(model).__name__} with two planted problems, {batches} batches of {tuple(data[0].shape)}")
     dbg = fxdebug.instrument(model, passes=[NaNCheck(mode="record"), StatCollector()], example_inputs=(data[0],))
     with torch.no_grad():
