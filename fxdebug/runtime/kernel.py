@@ -36,7 +36,7 @@ import platform
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -53,6 +53,22 @@ _SCHEMA_MANY = "observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()"
 _SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "observe.cpp"]
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"backend": None, "why": None, "libs": [], "cuda": "torch", "cuda_why": None}
+
+
+class _Library(Protocol):
+    """What this module uses of ``torch.library.Library`` (whose methods torch leaves unannotated)."""
+
+    def define(self, schema: str) -> str: ...
+
+    def impl(self, op_name: str, fn: Callable[..., Any], dispatch_key: str = "") -> None: ...
+
+    def _destroy(self) -> None: ...
+
+
+def _library(ns: str, kind: str) -> torch.library.Library:
+    """A ``torch.library.Library`` for namespace ``ns`` (``"FRAGMENT"`` or ``"IMPL"``)."""
+    make: Callable[[str, str], torch.library.Library] = torch.library.Library
+    return make(ns, kind)
 
 
 
@@ -157,11 +173,13 @@ def _impls(name: str, device_type: str) -> tuple[Any, Any]:
 
 def load() -> str:
     """Make ``torch.ops.fxdebug.observe`` available; returns the CPU backend: ``"c++"`` or ``"torch"``."""
-    if _STATE["backend"] is not None:
-        return _STATE["backend"]
+    loaded: str | None = _STATE["backend"]
+    if loaded is not None:
+        return loaded
     with _LOCK:
-        if _STATE["backend"] is not None:
-            return _STATE["backend"]
+        loaded = _STATE["backend"]
+        if loaded is not None:
+            return loaded
         want = requested()
         have = _defined()
         if not have and want not in (None, "cpp"):
@@ -174,8 +192,9 @@ def load() -> str:
                 _STATE["why"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
         elif not have:
             _STATE["why"] = "FXDEBUG_NO_KERNEL is set"
-        lib = torch.library.Library("fxdebug", "FRAGMENT")
-        _STATE["libs"].append(lib)
+        fragment = _library("fxdebug", "FRAGMENT")
+        _STATE["libs"].append(fragment)
+        lib: _Library = fragment
         if not have:
             lib.define(_SCHEMA)
             lib.define(_SCHEMA_MANY)
@@ -183,8 +202,8 @@ def load() -> str:
             lib.impl("observe_many", _many_below_autograd, "Autograd")
         lib.impl("observe", observe_torch, "CompositeExplicitAutograd")
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
-        torch.library.register_fake("fxdebug::observe", _fake, lib=lib)
-        torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=lib)
+        torch.library.register_fake("fxdebug::observe", _fake, lib=fragment)
+        torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=fragment)
         mode = os.environ.get("FXDEBUG_COMPILE_STATS", "extern").strip().lower() or "extern"
         if mode not in ("extern", "inline"):
             raise UsageError(f"FXDEBUG_COMPILE_STATS={mode!r}: expected 'extern' (default) or 'inline'")
@@ -216,12 +235,12 @@ def load() -> str:
     return str(_STATE["backend"])
 
 
-def _register_fused() -> Any:
+def _register_fused() -> _Library:
     """Register the op's ``Functionalize`` kernel (functional.py): under torch.compile / export the
     op becomes aten reductions that Inductor fuses into the producer's kernel."""
     from fxdebug.runtime.functional import observe_functional, observe_many_functional
 
-    lib = torch.library.Library("fxdebug", "IMPL")
+    lib: _Library = _library("fxdebug", "IMPL")
     lib.impl("observe", observe_functional, "Functionalize")
     lib.impl("observe_many", observe_many_functional, "Functionalize")
     return lib
@@ -282,7 +301,7 @@ def use(name: str) -> Iterator[str]:
         if problem is not None:
             raise UsageError(f"the Triton observation kernel cannot run on CPU here: {problem}")
     previous = {k: _STATE[k] for k in ("backend", "cuda")}
-    lib = torch.library.Library("fxdebug", "IMPL")
+    lib: _Library = _library("fxdebug", "IMPL")
     try:
         one, many = _impls(name, "cpu")
         with _quiet_override():
@@ -332,12 +351,12 @@ def _fake_many(xs: Any, table: Any, args: Any) -> None:
 
 def _many_below_autograd(xs: Any, table: Any, args: Any) -> None:
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fxdebug.observe_many.default(xs, table, args)
+        torch.ops.fxdebug.observe_many.default(xs, table, args)
 
 
 def _below_autograd(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fxdebug.observe.default(x, table, row, chan_off, channels, channel_dim)
+        torch.ops.fxdebug.observe.default(x, table, row, chan_off, channels, channel_dim)
 
 
 def backend() -> str:
@@ -348,7 +367,8 @@ def backend() -> str:
 def fallback_reason() -> str | None:
     """Why the native kernel is not in use (``None`` when it is)."""
     load()
-    return _STATE["why"]
+    why: str | None = _STATE["why"]
+    return why
 
 
 def observe_op() -> Any:
