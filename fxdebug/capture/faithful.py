@@ -93,8 +93,9 @@ def _resolve(key: str) -> type:
     obj: Any = importlib.import_module(module)
     for part in qualname.split("."):  # a class nested in another (a Function defined in a class body)
         obj = getattr(obj, part)
-    _FUNCTIONS[key] = obj
-    return obj
+    resolved: type = obj
+    _FUNCTIONS[key] = resolved
+    return resolved
 
 
 @has_side_effect
@@ -120,7 +121,8 @@ def grad_exit(prev: bool) -> None:
 @has_side_effect
 def autocast_enter(device_type: str, dtype: Any, enabled: bool, cache_enabled: Any) -> Any:
     """Enter ``torch.autocast(...)`` for a region of the graph; returns the context to leave."""
-    ctx = torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    ctx: contextlib.AbstractContextManager[Any] = torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled,
+                                                                 cache_enabled=cache_enabled)
     ctx.__enter__()
     return ctx
 
@@ -133,7 +135,7 @@ def autocast_exit(ctx: Any) -> None:
 @has_side_effect
 def inference_enter(mode: bool) -> Any:
     """Enter ``torch.inference_mode(mode)`` for a region of the graph; returns the context to leave."""
-    ctx = torch._C._InferenceMode(mode)
+    ctx: contextlib.AbstractContextManager[Any] = torch._C._InferenceMode(mode)
     ctx.__enter__()
     return ctx
 
@@ -339,7 +341,8 @@ def _grad_region_exit(self: Any, *exc: Any) -> None:
     for owner in (grad_mode.no_grad, grad_mode.enable_grad, grad_mode.set_grad_enabled):
         if isinstance(self, owner):
             with _unrecorded():
-                return _original(owner, "__exit__")(self, *exc)
+                _original(owner, "__exit__")(self, *exc)  # torch's __exit__ returns None: nothing suppressed
+            return None
     return None
 
 
@@ -358,7 +361,8 @@ def _inference_enter(self: Any) -> None:
 
     tracer = _tracer()
     if tracer is None:
-        return _original(grad_mode.inference_mode, "__enter__")(self)
+        _original(grad_mode.inference_mode, "__enter__")(self)
+        return None
     self._fxdebug_ctx = tracer.create_proxy("call_function", inference_enter, (bool(self.mode),), {})
     return None
 
@@ -368,7 +372,8 @@ def _inference_exit(self: Any, *exc: Any) -> None:
 
     proxy = self.__dict__.pop("_fxdebug_ctx", None)
     if proxy is None:
-        return _original(grad_mode.inference_mode, "__exit__")(self, *exc)
+        _original(grad_mode.inference_mode, "__exit__")(self, *exc)
+        return None
     tracer = _tracer()
     if tracer is not None:
         tracer.create_proxy("call_function", inference_exit, (proxy,), {})

@@ -66,7 +66,7 @@ def _check_hooks(model: nn.Module) -> None:
                 module=path, op=type(module).__name__)
 
 
-class ExportWatch(list):
+class ExportWatch(list[TraceError]):
     """What ``watched_export`` saw: the refusals (the list itself, first one first) and ``guards``,
     the plain attributes forward read as ``(module path, name, value)``."""
 
