@@ -72,6 +72,7 @@ class Observation:
         cached = self._clock_nodes.get(id(gm.graph))
         if cached is not None and cached.graph is gm.graph and not getattr(cached, "_erased", False):
             return cached
+        node: Node
         for node in gm.graph.nodes:
             if node.op == "call_module" and node_meta(node).role == CLOCK:
                 self._clock_nodes[id(gm.graph)] = node

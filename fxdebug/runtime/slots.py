@@ -50,4 +50,5 @@ def host_copy(table: Any) -> list[float] | None:
     """The table as Python floats (the one sync), or ``None`` on a device holding no data."""
     if table is None or table.device.type == "meta":
         return None
-    return table.detach().cpu().tolist()
+    host: list[float] = table.detach().cpu().tolist()
+    return host
