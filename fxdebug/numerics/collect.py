@@ -124,7 +124,7 @@ def _origin_batch(report: Any, start: int, done: int) -> int | None:
     calls = [c for c in calls if isinstance(c, (int, float)) and not isinstance(c, bool)]
     if not calls or not done:
         return None
-    per_batch = max(1, (report.calls - start) // done)
+    per_batch: int = max(1, (report.calls - start) // done)
     return int(min(calls) - start) // per_batch
 
 
