@@ -197,3 +197,39 @@ def test_long_flat_sequential_fits_in_runs(tmp_path: Path) -> None:
     nodes = nodes_of(path)
     assert nodes["_401"]["fill"] == COLORS["failed"]  # the run holding the failed node is drawn open
     assert "module/(nodes 1–100)" in nodes and "_400" in nodes and "_1" not in nodes
+
+
+def _part_of(gid: str, parts: list[str]) -> str | None:
+    """The part (longest module-path prefix) an SVG element id (``node/…``, ``module/…``, ``cluster/…``) draws."""
+    path = gid.partition("/")[2]
+    hits = [p for p in parts if path == p or path.startswith((p + "/", p + "."))]
+    return max(hits, key=len, default=None)
+
+
+def test_a_mixtral_captured_in_parts_stacks_them_in_execution_order(tmp_path: Path) -> None:
+    """Issue 26: a Mixtral-like model the subtrees frontend captures in parts with no data edge between
+    them (the residual adds run in the eager ``forward``) drew every part side by side (3,097 pt wide
+    at two layers, 7,653 pt at four) in reverse order. Its parts stand one under the other, in the order they ran."""
+    t = _transformers()
+    cfg = t.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                          num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = t.MixtralForCausalLM(cfg).eval()
+    tokens = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(tokens,))
+    with torch.no_grad():
+        dbg(tokens)
+    assert len(dbg.parts()) > 4
+    path = dbg.render(str(tmp_path / "mixtral.svg"))
+    width, height = svg_size(Path(path).read_text(encoding="utf-8"))
+    assert max(width, height) <= FIT_PT, f"{width:.0f} x {height:.0f} pt"
+    order = ["model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"]
+    ys: dict[str, list[float]] = {}
+    for g in ET.parse(path).getroot().iter(f"{SVG}g"):
+        part = _part_of(g.get("id") or "", order)
+        if part is not None and g.get("class") == "node":
+            ys.setdefault(part, []).extend(float(t.get("y", "nan")) for t in g.iter(f"{SVG}text"))
+    tops = {p: min(v) for p, v in ys.items()}
+    assert list(tops) and sorted(tops, key=tops.__getitem__) == [p for p in order if p in tops], tops
+    assert set(tops) >= {"model.layers.0", "model.layers.1", "lm_head"}

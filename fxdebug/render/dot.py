@@ -112,8 +112,8 @@ def group_key(v: VisNode, depth: int | None, focus: frozenset[str] | set[str] = 
     Modules in ``focus`` (those holding a finding) are never collapsed: their children collapse one
     level deeper instead, so the path down to the NaN origin or a failed check is drawn open.
     """
-    if v.kind in ("placeholder", "output"):
-        return None
+    if v.kind == "output" or (v.kind == "placeholder" and v.placed is None):
+        return None  # a graph's own inputs stay in view; a captured part's inputs collapse with the part
     # A leaf module's call sits in its parent's cluster: it never collapses into a box of its own.
     home = v.where if v.kind != "call_module" or v.placed is not None else v.cluster
     if depth is not None and home:
@@ -122,6 +122,8 @@ def group_key(v: VisNode, depth: int | None, focus: frozenset[str] | set[str] = 
             key = ".".join(parts[:k])
             if key not in focus:
                 return key
+    if v.kind == "placeholder":
+        return None
     if v.plumbing and not (v.origin or v.grad_origin or v.failed):
         return PLUMBING + v.cluster  # mask/shape plumbing drawn as one box per cluster
     return None

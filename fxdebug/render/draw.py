@@ -26,7 +26,7 @@ from fxdebug.render.dot import (AUTO_BUDGET, COLORS, auto_depth, dot_lines, draw
                                 shape_text, used_highlights)
 from fxdebug.render.fold import fold_view
 from fxdebug.render.html import diff_scores, write_html
-from fxdebug.render.parts import parts_view
+from fxdebug.render.parts import part_chain, parts_view
 from fxdebug.render.view import GraphView, build_view
 
 __all__ = ["COLORS", "FIT_PT", "RenderOptions", "build_dot", "fit_source", "render", "svg_size"]
@@ -308,6 +308,9 @@ def build_dot(view: GraphView, depth: int | None = None) -> str:
     emit(g, "")
     for (a, b), tip in edges.items():
         g.edge(a, b, tooltip=dot_lines([tip]))
+    for a, b in part_chain(view, item_of):  # parts with no edge between them: stacked in execution order
+        if (a, b) not in edges:
+            g.edge(a, b, style="invis")
     keys = used_highlights(view)
     if keys:
         g.node("fxdebug/legend", label=legend_html(keys), shape="plaintext", id="legend")

@@ -15,7 +15,7 @@ from typing import Any
 
 from fxdebug.render.view import GraphView, VisNode, build_view
 
-__all__ = ["EAGER", "graph_extras", "parts_view"]
+__all__ = ["EAGER", "graph_extras", "part_chain", "parts_view"]
 
 EAGER = "eager"
 """The word module types carry when the module's ``forward`` ran eagerly around captured parts."""
@@ -93,6 +93,64 @@ def parts_view(gm: Any, report: Any = None, *, failed: Any = None, show_instrume
     if failed is not None and not isinstance(failed, str):
         merged.failed_message = getattr(failed, "message", None) or str(failed)
     return merged
+
+
+def part_chain(view: GraphView, item_of: dict[str, str]) -> list[tuple[str, str]]:
+    """Invisible edges that stack a parts view's parts top to bottom in execution order.
+
+    Parts with no data edge between them (the eager ``forward`` between them did a residual add, a
+    cache update) would otherwise stand side by side, in whatever order ``dot`` picks. For each two
+    consecutive parts, the item drawing the earlier part's last node points at the first item of the
+    later part that reads nothing from its own part (its inputs, constants), that one at the next,
+    and so on, so each part starts below the one before and its inputs stand one under the other. Parts are the ``<part path>/`` prefixes of node names, in graph order (the
+    order ``parts_view`` adds them: the order the parts first ran). ``[]`` for a single graph.
+    """
+    parts: dict[str, list[VisNode]] = {}
+    for v in view.nodes.values():
+        path, sep, _ = v.name.partition("/")
+        if sep:
+            parts.setdefault(path, []).append(v)
+    if len(parts) < 2:
+        return []
+    succ: dict[str, set[str]] = {}
+    for v in view.nodes.values():
+        for i in v.inputs:
+            a, b = item_of.get(i), item_of.get(v.name)
+            if a is not None and b is not None and a != b:
+                succ.setdefault(a, set()).add(b)
+
+    def reaches(a: str, b: str) -> bool:
+        seen, todo = {a}, [a]
+        while todo:
+            for n in succ.get(todo.pop(), ()):
+                if n == b:
+                    return True
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+    chain: list[tuple[str, str]] = []
+    order = list(parts.values())
+    last: str | None = None  # the chain's newest item: where a part goes when its tail would make a cycle
+    for before, after in zip(order, order[1:]):
+        tail = item_of.get(before[-1].name)
+        own = {v.name for v in after}
+        for v in after:
+            head = item_of.get(v.name)
+            if head is None or any(i in own for i in v.inputs):
+                continue
+            for src in (tail, last):
+                if src is None or src == head:
+                    continue
+                if (src, head) in chain or head in succ.get(src, ()):
+                    break
+                if not reaches(head, src):  # an edge drawn against the data would turn the picture over
+                    chain.append((src, head))
+                    succ.setdefault(src, set()).add(head)
+                    break
+            tail = last = head  # the part's inputs one under the other, not a row as wide as all of them
+    return chain
 
 
 def _type_of(gm: Any, path: str) -> str:
