@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 from fxdebug.graph.meta import fx_meta
-from fxdebug.runtime.observer import Clock, Observer
+from fxdebug.runtime.observer import Clock, GradHookable, Observer
 from fxdebug.runtime.kernel import load, observe_many_op, observe_op
 
 __all__ = ["GradTap", "batch_observations", "find_lowered", "is_lowered", "lower_observers", "observe_grad",
@@ -52,11 +52,12 @@ def observe_grad(x: Any, table: Tensor | None, row: int, chan_off: int, channels
     backward calls straight into the dispatcher with no Python frame of ours (the op returns
     ``None``, which leaves the gradient as it is)."""
     if isinstance(x, Tensor) and table is not None and x.requires_grad and torch.is_grad_enabled():
+        hooked: GradHookable = x
         if torch.compiler.is_compiling():
-            x.register_hook(GradTap(table, (row, chan_off, channels, channel_dim)))
+            hooked.register_hook(GradTap(table, (row, chan_off, channels, channel_dim)))
         else:
-            x.register_hook(functools.partial(torch.ops.fxdebug.observe.default, table=table, row=row, chan_off=chan_off, channels=channels,
-                                              channel_dim=channel_dim))
+            hooked.register_hook(functools.partial(torch.ops.fxdebug.observe.default, table=table, row=row, chan_off=chan_off,
+                                                   channels=channels, channel_dim=channel_dim))
 
 
 def is_lowered(node: Node) -> bool:

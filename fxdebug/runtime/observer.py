@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import math
 import threading
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +41,12 @@ def _locked() -> Any:
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class GradHookable(Protocol):
+    """A tensor as far as gradient hooks go (torch leaves ``Tensor.register_hook`` unannotated)."""
+
+    def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> Any: ...
 
 
 class Reductions:
@@ -534,7 +540,8 @@ class Observer(nn.Module):
                 self._calls += 1
             self._observe(out, "forward", inputs)
         if self._grads and out.requires_grad and torch.is_grad_enabled():
-            out.register_hook(self._grad_hook)
+            hooked: GradHookable = out
+            hooked.register_hook(self._grad_hook)
         return None
 
     def _grad_hook(self, grad: Tensor) -> None:
