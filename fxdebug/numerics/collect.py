@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from typing import Any, Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, Protocol, TextIO
 
 import torch
 from torch import Tensor, nn
@@ -136,6 +136,12 @@ def _length(loader: Any, batches: int | None) -> int | None:
     return n if batches is None else min(n, batches)
 
 
+class _Loss(Protocol):
+    """A scalar loss as ``_step`` uses it (torch leaves ``Tensor.backward`` unannotated)."""
+
+    def backward(self) -> None: ...
+
+
 def _step(dbg: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | None, params: list[Tensor]) -> None:
     args, kwargs = split_batch(batch, dbg)
     if loss_fn is None:
@@ -150,7 +156,8 @@ def _step(dbg: nn.Module, batch: Any, loss_fn: Callable[[Any, Any], Tensor] | No
         raise UsageError(f"loss_fn(outputs, batch) must return a scalar tensor; got "
                          f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}.")
     if loss.requires_grad:
-        loss.backward()
+        scalar: _Loss = loss
+        scalar.backward()
 
 
 # -- unpacking a batch ----------------------------------------------------------------------------
