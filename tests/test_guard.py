@@ -8,10 +8,10 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxdebug
 from fxdebug.passes import NaNCheck
+from syncs import CountSyncs
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
@@ -122,16 +122,6 @@ def test_a_bad_first_step_leaves_the_optimizer_as_if_it_never_ran(kind: str) -> 
     assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
     assert_bitwise(ref_opt.state_dict()["state"], g.state_dict()["state"], "state")
 
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 def syncs_in_step(opt: Any, model: nn.Module, x: torch.Tensor) -> int:

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxdebug
 from fxdebug.passes import ExpertLoad, NaNCheck
+from syncs import CountSyncs
 
 
 class SparseMoE(nn.Module):
@@ -104,16 +104,6 @@ def test_a_dead_expert_is_named_in_a_finding() -> None:
     assert [f.module for f in dead] == ["moes.1"]
     assert "3" in dead[0].message
 
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_counting_does_not_sync_and_outputs_stay_the_models() -> None:

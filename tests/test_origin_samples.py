@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxdebug
 from fxdebug.passes import NaNCheck
+from syncs import CountSyncs
 
 
 class LogNet(nn.Module):
@@ -70,16 +70,6 @@ def test_origin_tokens_names_batch_and_position_and_the_mask_grows_with_the_batc
     assert rep.origin_samples == [0, 2]
     assert rep.origin_tokens == [(0, 2), (0, 3), (2, 6)]
 
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_recording_the_rows_does_not_sync() -> None:

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxdebug
 from fxdebug.passes import ParamUpdates
+from syncs import CountSyncs
 
 
 class Net(nn.Module):
@@ -78,16 +78,6 @@ def test_an_lr_spike_on_one_group_is_a_finding_for_that_group_only() -> None:
     assert [f.node for f in spikes] == ["fc2"]
     assert "fc2." in spikes[0].message and "step 7" in spikes[0].message
 
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default, torch.ops.aten.is_nonzero.default):
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 def test_watching_the_steps_adds_no_sync() -> None:

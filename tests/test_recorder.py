@@ -8,22 +8,12 @@ import math
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fxdebug
 from fxdebug.passes import NaNCheck, Recorder, Shadow, StatCollector
 from zoo import ZOO
+from syncs import CountSyncs
 
-
-class CountSyncs(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.syncs = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.syncs += 1
-        return func(*args, **(kwargs or {}))
 
 
 class LossScale(nn.Module):
