@@ -185,3 +185,19 @@ class Session:
                 warnings.warn(f"fxdebug: the report is in {out}, but no repro script: {exc}", RuntimeWarning, stacklevel=2)
         return written
 
+
+class SessionCallback:
+    """What both framework callbacks answer from their ``Session``: the report and the module."""
+
+    session: Session
+
+    @property
+    def report(self) -> Any:
+        """The ``fxdebug.Report`` of the step that first saw NaN/Inf once one did; before that, the
+        last one read (``None`` before the first read)."""
+        return self.session.bad_report or self.session.report
+
+    @property
+    def dbg(self) -> Any:
+        """The ``Instrumented`` module the model's training calls run through (``None`` before the first)."""
+        return self.session.dbg

@@ -37,7 +37,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
-from fxdebug.integrations._session import Session, check_options
+from fxdebug.integrations._session import Session, SessionCallback, check_options
 
 try:
     from transformers import TrainerCallback
@@ -48,7 +48,7 @@ except ImportError as _exc:  # the extra is not installed: say which
 __all__ = ["FxDebugTrainerCallback"]
 
 
-class FxDebugTrainerCallback(TrainerCallback):
+class FxDebugTrainerCallback(SessionCallback, TrainerCallback):
     """A ``transformers.TrainerCallback`` that instruments, logs capped per-node metrics and stops on NaN."""
 
     def __init__(self, passes: Sequence[Any] | None = None, *, every: int = 1, top_k: int | None = 20,
@@ -64,17 +64,6 @@ class FxDebugTrainerCallback(TrainerCallback):
         self._bad_now = False
         self._read_at = -1
         self._pending: dict[str, float] | None = None
-
-    @property
-    def report(self) -> Any:
-        """The ``fxdebug.Report`` of the step that first saw NaN/Inf once one did; before that, the
-        last one read (``None`` before the first read)."""
-        return self.session.bad_report or self.session.report
-
-    @property
-    def dbg(self) -> Any:
-        """The ``Instrumented`` module the model's training calls run through (``None`` before the first)."""
-        return self.session.dbg
 
     # -- events ---------------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> Any:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fxdebug import UsageError
-from fxdebug.integrations._session import Session, check_options
+from fxdebug.integrations._session import Session, SessionCallback, check_options
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -46,7 +46,7 @@ except ImportError:
 __all__ = ["FxDebugCallback"]
 
 
-class FxDebugCallback(Callback):
+class FxDebugCallback(SessionCallback, Callback):
     """A Lightning ``Callback`` that instruments, logs capped per-node metrics and stops on NaN."""
 
     def __init__(self, passes: Sequence[Any] | None = None, *, every: int = 1, top_k: int | None = 20,
@@ -59,17 +59,6 @@ class FxDebugCallback(Callback):
         self.nonfinite_step: int | None = None
         self.dumped: list[Path] = []
         self._read_at = -1
-
-    @property
-    def report(self) -> Any:
-        """The ``fxdebug.Report`` of the step that first saw NaN/Inf once one did; before that, the
-        last one read (``None`` before the first read)."""
-        return self.session.bad_report or self.session.report
-
-    @property
-    def dbg(self) -> Any:
-        """The ``Instrumented`` module the training calls run through (``None`` before the first)."""
-        return self.session.dbg
 
     def _target(self, pl_module: Any) -> Any:
         if self.module is None:
