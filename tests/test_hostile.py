@@ -298,8 +298,9 @@ def test_deepcopied_is_independent() -> None:
     dbg(X)
     twin = copy.deepcopy(dbg)
     assert twin.get_submodule("0").weight is not model[0].weight and torch.equal(twin(X), model(X))
-    with torch.no_grad():
+    with torch.no_grad():  # the last layer's bias: a dead ReLU cannot hide the edit, whatever the init
         twin.get_submodule("0").weight.add_(1.0)
+        twin.get_submodule("2").bias.add_(1.0)
     assert not torch.equal(twin(X), model(X)) and torch.equal(dbg(X), model(X))
     assert twin.report().calls == 2 and dbg.report().calls == 2
 
