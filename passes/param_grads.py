@@ -34,18 +34,39 @@ from fxdebug.authoring import GRADIENT, GRADIENT_MEAN, VALUE, get_attr, node_met
 __all__ = ["ParamGradProbe", "ParamGrads"]
 
 
+def _by_calls(rows: list[dict[str, Any]], key: str, squares: bool = False) -> float | None:
+    """Rows of one module from several captures (a recompile for ``no_grad``, another shape) or ranks,
+    merged as one probe would have accumulated them: weighted by backward passes (an RMS for the norm)."""
+    seen = [(r[key], r.get("param_grad_calls") or 0) for r in rows if r.get(key) is not None]
+    calls = sum(c for _, c in seen)
+    if not seen or not calls:
+        return None
+    if squares:
+        return float((sum(v * v * c for v, c in seen) / calls) ** 0.5)
+    return float(sum(v * c for v, c in seen) / calls)
+
+
+def _mean_by_calls(rows: list[dict[str, Any]]) -> float | None:
+    return _by_calls(rows, "param_grad_mean_abs")
+
+
+def _norm_by_calls(rows: list[dict[str, Any]]) -> float | None:
+    return _by_calls(rows, "param_grad_norm", squares=True)
+
+
 class ParamGradProbe(Probe):
     """Statistics of the gradients of ``params`` (``{name: Parameter}``), gathered by one-shot hooks."""
 
     key = "param_grads"
     columns = (
-        Column("param_grad_mean_abs", roles=(VALUE, GRADIENT_MEAN),
+        Column("param_grad_mean_abs", roles=(VALUE, GRADIENT_MEAN), merge=_mean_by_calls,
                doc="mean |gradient| of the module's parameters"),
-        Column("param_grad_max_abs", roles=(VALUE, GRADIENT), label="parameter gradients",
+        Column("param_grad_max_abs", roles=(VALUE, GRADIENT), label="parameter gradients", merge="max",
                doc="largest |gradient| of the module's parameters"),
-        Column("param_grad_norm", doc="RMS over backward passes of the parameters' gradient L2 norm"),
+        Column("param_grad_norm", merge=_norm_by_calls,
+               doc="RMS over backward passes of the parameters' gradient L2 norm"),
         Column("param_count", roles=HIDDEN, doc="parameter elements of the module"),
-        Column("param_grad_calls", roles=HIDDEN, doc="backward passes that reached the parameters"),
+        Column("param_grad_calls", roles=HIDDEN, merge="sum", doc="backward passes that reached the parameters"),
         Column("param_module", roles=HIDDEN, doc="the module owning the parameters (may differ from the row's node)"),
     )
 
@@ -132,9 +153,10 @@ def _module_params(gm: GraphModule, node: Node) -> tuple[dict[str, nn.Parameter]
 
 
 def _host(node: Node) -> Node | None:
-    """The node whose row carries the statistics: ``node`` itself, or for a module returning a
-    tuple (an LSTM) its first ``getitem`` user."""
-    if node.op != "call_module":
+    """The node whose row carries the statistics: ``node`` itself, or for a call returning a
+    tuple (an LSTM module, or ``torch.lstm`` over the weights in a Dynamo graph) its first
+    ``getitem`` user (a tuple-valued node has no row of its own)."""
+    if node.op not in ("call_module", "call_function", "call_method"):
         return node
     getitems = [u for u in node.users if u.op == "call_function" and "getitem" in str(u.target)]
     return getitems[0] if getitems and node.meta.get("fxdebug", {}).get("shape") is None else node
@@ -178,7 +200,7 @@ class ParamGrads(fxdebug.Pass):
                 if isinstance(value, nn.Parameter):
                     params = {str(node.target): value}
                     users = [u for u in node.users if not fxdebug.is_instrumentation(u)]
-                    host = users[0] if users else None
+                    host = _host(users[0]) if users else None
             params = {k: p for k, p in params.items() if id(p) not in seen}  # a module called twice: once
             if not params or host is None:
                 continue

@@ -242,3 +242,45 @@ def test_param_grads_counts_the_first_backward_after_instrument():
     rows = [r for r in dbg.report().rows if r.get("param_grad_calls")]
     assert {r["param_module"] for r in rows} == {"fc1", "fc2"}
     assert all(r["param_grad_calls"] == 1 for r in rows)
+
+
+@pytest.mark.parametrize("name", ["lstm", "shared_module"])
+def test_param_grads_cover_every_parameter_of_lstm_and_shared_modules(name):
+    # torch.lstm in a Dynamo graph takes the weights as get_attr inputs and returns a tuple (no row of its
+    # own): the statistics sit on its first getitem, as for the symbolic LSTM module
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from zoo import ZOO
+
+    from fxdebug.passes import ParamGrads
+
+    model, (x,) = ZOO[name]()
+    dbg = fxdebug.instrument(model, [ParamGrads()], example_inputs=(x,), frontend="dynamo")
+    model.zero_grad(set_to_none=True)
+    dbg(x).sum().backward()
+    rows = [r for r in dbg.report().rows if r.get("param_grad_calls")]
+    assert sum(r["param_count"] for r in rows) == sum(p.numel() for p in model.parameters())
+    for r in rows:
+        grads = torch.cat([p.grad.reshape(-1) for p in model.get_submodule(r["param_module"]).parameters()]).double()
+        assert r["param_grad_max_abs"] == pytest.approx(float(grads.abs().max()), rel=1e-6)
+        assert r["param_grad_norm"] == pytest.approx(float(grads.norm()), rel=1e-5)
+
+
+def test_param_grads_merge_over_a_no_grad_recompile():
+    # a call under no_grad is another capture (grad-mode guard); its rows have no backward: the merged row
+    # keeps the counts of the captures that had one (was None with an "unknown" note)
+    from fxdebug.passes import ParamGrads
+
+    model, x = MLP(), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, [ParamGrads()], example_inputs=(x,), frontend="dynamo")
+    dbg(x).sum().backward()
+    (2 * dbg(x).sum()).backward()
+    with torch.no_grad():
+        dbg(x)
+    report = dbg.report()
+    assert len(dbg.parts()) == 2
+    row = report.row("fc2")
+    assert row["param_grad_calls"] == 2 and row["param_grad_max_abs"] is not None
+    assert not any("could not tell" in n for n in report.notes)
