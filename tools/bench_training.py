@@ -8,14 +8,17 @@ times; the median time and the ratio to the plain loop with its min/max.
 ``step()`` + ``zero_grad()`` of a small transformer-style MLP stack, plain PyTorch, so only the aid
 differs). Each variant runs ``--steps`` steps per round; rounds of all variants interleave (machine
 load drifts evenly over them); the figure is the median per-step time over ``--rounds`` rounds and
-the spread (min..max of the per-round ratios).
+the spread (min..max of the per-round ratios), each round's time paired with the plain loop's
+of the same round; a second plain loop (``plain again``) shows the noise of the ratio itself.
 
     OMP_NUM_THREADS=1 python tools/bench_training.py [--what probes|aids|all] [--repeats 5] [--rounds 15] [--steps 20]
+        [--batch 8 32] [--only SGD AdamW]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -119,27 +122,41 @@ def probes(args: argparse.Namespace) -> None:
 
 
 def aids(args: argparse.Namespace) -> None:
-    """``fxdebug.guard`` and ``ParamUpdates`` on an optimizer loop vs the same loop without them."""
+    """``fxdebug.guard`` and ``ParamUpdates`` on an optimizer loop vs the same loop without them.
+
+    Each round runs every variant once (``--steps`` steps, CPU time of the process), in an order
+    that rotates from round to round; a variant's figure is the median over rounds of its time
+    divided by the plain loop's time *in the same round* (paired), with the min..max of those
+    ratios. ``plain again`` is a second, separately built plain loop: its ratio is the noise of
+    the measurement itself (what a ratio of 1.00 looks like on this machine, now)."""
     torch.set_num_threads(args.threads)
     params = sum(p.numel() for p in model(args.width, args.depth).parameters())
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); model: {args.depth} blocks of width "
-          f"{args.width} ({params / 1e6:.2f}M parameters), batch {args.batch}x16 tokens; {args.rounds} rounds x "
-          f"{args.steps} steps; median (min..max over rounds)")
-    print(f"{'optimizer':<24} {'plain ms/step':>14} {'guard ratio':>22} {'ParamUpdates ratio':>22} {'ParamUpdates us/step':>21}")
-    for name, make in OPTIMIZERS.items():
-        runs = {v: loop(v, make, args.width, args.depth, args.batch) for v in ("plain", "guard", "param_updates")}
-        times: dict[str, list[float]] = {v: [] for v in runs}
-        for _ in range(args.rounds):
-            for v, run in runs.items():
-                times[v].append(run(args.steps))
-        plain = times["plain"]
-        g = [a / b for a, b in zip(times["guard"], plain)]
-        u = [a / b for a, b in zip(times["param_updates"], plain)]
-        cost = [(a - b) * 1e6 for a, b in zip(times["param_updates"], plain)]
-        print(f"{name:<24} {statistics.median(plain) * 1e3:>14.2f} "
-              f"{statistics.median(g):>8.3f} ({min(g):.3f}..{max(g):.3f}) "
-              f"{statistics.median(u):>8.3f} ({min(u):.3f}..{max(u):.3f}) "
-              f"{statistics.median(cost):>12.0f} ({min(cost):.0f}..{max(cost):.0f})")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s), load average "
+          f"{load}; model: {args.depth} blocks of width {args.width} ({params / 1e6:.2f}M parameters), 16 tokens per "
+          f"sample; {args.rounds} rounds x {args.steps} steps; paired ratio to the plain loop: median (min..max)")
+    variants = ("plain", "plain again", "guard", "param_updates")
+    print(f"{'optimizer':<18} {'batch':>5} {'plain ms/step':>13} {'plain again (noise)':>21} {'guard':>21} "
+          f"{'ParamUpdates':>21} {'guard us/step':>14}")
+    for batch in args.batch:
+        for name, make in OPTIMIZERS.items():
+            if args.only and not any(o.lower() in name.lower() for o in args.only):
+                continue
+            runs = {v: loop("plain" if v == "plain again" else v, make, args.width, args.depth, batch) for v in variants}
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            for r in range(args.rounds):
+                for v in variants[r % len(variants):] + variants[:r % len(variants)]:
+                    times[v].append(runs[v](args.steps))
+            plain = times["plain"]
+
+            def ratio(v: str) -> str:
+                rs = [a / b for a, b in zip(times[v], plain)]
+                return f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})"
+
+            cost = statistics.median((a - b) * 1e6 for a, b in zip(times["guard"], plain))
+            print(f"{name:<18} {batch:>5} {statistics.median(plain) * 1e3:>13.2f} {ratio('plain again'):>21} "
+                  f"{ratio('guard'):>21} {ratio('param_updates'):>21} {cost:>14.0f}", flush=True)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 def main() -> None:
@@ -150,7 +167,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="aids: steps per round")
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="aids: batch sizes (samples of 16 tokens)")
+    ap.add_argument("--only", nargs="*", default=[], help="aids: optimizers whose name contains one of these")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     if args.what in ("probes", "all"):

