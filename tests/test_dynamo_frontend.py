@@ -284,3 +284,29 @@ def test_param_grads_merge_over_a_no_grad_recompile():
     row = report.row("fc2")
     assert row["param_grad_calls"] == 2 and row["param_grad_max_abs"] is not None
     assert not any("could not tell" in n for n in report.notes)
+
+
+def test_saved_and_loaded_keeps_the_report_and_adds_to_it():
+    import io
+
+    model, x = MLP(), torch.randn(2, 4)
+    dbg = _dbg(model, x)
+    dbg(x)
+    with torch.no_grad():
+        model.fc1.bias[0] = float("nan")
+    dbg(x)  # a NaN from call 1 on: one capture, two calls
+    buf = io.BytesIO()
+    torch.save(dbg, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    before = dbg.report()
+    after = loaded.report()
+    assert repr(after.rows) == repr(before.rows) and after.calls == 2  # repr: NaN != NaN
+    assert after.first_nonfinite == before.first_nonfinite == "fc1"
+    assert any("before the module was saved" in n for n in after.notes)
+    loaded(x)  # the loaded module captures again; its rows add to the saved ones
+    again = loaded.report()
+    assert again.calls == 3 and again.row("fc1")["calls"] == 3 and dbg.report().calls == 2
+    assert [r["node"] for r in again.rows] == [r["node"] for r in before.rows]  # the same names: merged, not new rows
+    loaded.reset()
+    assert loaded.report().calls == 0 and all(r["calls"] == 0 for r in loaded.report().rows)

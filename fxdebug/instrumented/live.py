@@ -51,6 +51,7 @@ from fxdebug.runtime.observer import Observer
 
 __all__ = ["LiveInstrumented"]
 
+_SAVED = "dynamo (before the module was saved and loaded, or copied): "
 _GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
 _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
                "eagerly between graphs (after a graph break) did not")
@@ -250,7 +251,7 @@ class LiveInstrumented(Instrumented):
 
     def _summary_notes(self) -> list[str]:
         graphs = self.graphs()
-        notes = list(self.trace_info.notes)
+        notes = list(self.trace_info.notes) + list(self.__dict__.get("_saved_notes", ()))
         if not graphs:
             return notes
         frames = {g.code or g.frame for g in graphs}
@@ -271,7 +272,8 @@ class LiveInstrumented(Instrumented):
             return super().report(all_ranks=True, **options)
         if options:
             raise UsageError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
-        reports = []
+        # the captures' reports from before a save/load (their graphs stay behind: Dynamo's cache is per process)
+        reports: list[tuple[Report, Any]] = list(self.__dict__.get("_saved", ()))
         for found in self.__dict__["_parts"].values():
             rep = found.part._part_report()
             _global_calls(rep, found.calls)
@@ -283,7 +285,10 @@ class LiveInstrumented(Instrumented):
         by_name: dict[str, list[tuple[dict[str, Any], list[float] | None]]] = {}
         for rep, part in reports:
             # per-channel maxima (what a channel column's merge rule reads), only from a capture sharing a node
-            maxima = channel_maxima(part) if any(seen[r["node"]] > 1 for r in rep.rows) else {}
+            if isinstance(part, dict):  # a saved capture: its maxima were read when it was saved
+                maxima = part
+            else:
+                maxima = channel_maxima(part) if any(seen[r["node"]] > 1 for r in rep.rows) else {}
             for row in rep.rows:
                 by_name.setdefault(row["node"], []).append((row, maxima.get(row["node"])))
         columns = resolve_columns(c for rep, _ in reports for c in rep.columns)
@@ -309,6 +314,8 @@ class LiveInstrumented(Instrumented):
             found.part.reset()
             found.calls.clear()
         self.__dict__["_calls"] = 0
+        self.__dict__["_saved"] = []
+        self.__dict__["_saved_notes"] = []
 
     def learn_shapes(self, example_inputs: Any) -> None:
         """Shapes are learnt from the arguments of each graph's first call."""
@@ -346,7 +353,18 @@ class LiveInstrumented(Instrumented):
                                       self.__dict__["_prior"], self.trace_info.notes)
 
     def __reduce__(self) -> Any:
-        return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes)))
+        """Saved with what it observed: each capture's report (rows, call counts, per-channel maxima), the
+        module's call count and its node names. The graphs themselves are Dynamo's, valid in this process
+        only: the loaded module captures again at its first call, and the new rows merge with the saved ones."""
+        saved: list[tuple[Report, dict[str, list[float]]]] = list(self.__dict__.get("_saved", ()))
+        for found in self.__dict__["_parts"].values():
+            rep = found.part._part_report()
+            _global_calls(rep, found.calls)
+            saved.append((rep, channel_maxima(found.part)))
+        notes = [n if n.startswith(_SAVED) else n.replace("dynamo: ", _SAVED, 1)
+                 for n in self._summary_notes() if n not in self.trace_info.notes]
+        state = {"saved": saved, "calls": self.__dict__["_calls"], "namer": self.__dict__["_namer"], "notes": notes}
+        return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes), state))
 
 
 @dataclass
@@ -488,8 +506,13 @@ def _diagnosed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     return exc
 
 
-def _load_live(model: nn.Module, passes: list[Any], notes: list[str]) -> LiveInstrumented:
-    return LiveInstrumented._live(model, passes, None, notes)
+def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
+               state: dict[str, Any] | None = None) -> LiveInstrumented:
+    gm = LiveInstrumented._live(model, passes, None, notes)
+    if state:  # what the saved module had observed (see ``LiveInstrumented.__reduce__``)
+        gm.__dict__.update(_saved=list(state["saved"]), _calls=int(state["calls"]), _namer=state["namer"],
+                           _saved_notes=list(state["notes"]))
+    return gm
 
 
 def GraphModule_recompile(gm: Any) -> Any:  # noqa: N802 - GraphModule.recompile, skipping Instrumented's
