@@ -169,6 +169,9 @@ class RaisingProbe(Probe):
         self.users = [u.name for u in node.users if not fxdebug.is_instrumentation(u) and u.op != "output"]
         self.input_names = inputs
         self.owner = module  # the node's module (not registered as a child): its weights may be the culprit
+        # parameters read as inputs (a Dynamo or export graph calls torch.linear with the weights as get_attr
+        # nodes, not a Linear module): {input name: parameter path}, blamed like the owner's parameters
+        self.param_inputs = {a.name: str(a.target) for a in node.all_input_nodes if a.op == "get_attr"}
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
         return {"bad": 0, "first": None, "nan": 0, "inf": 0}
@@ -202,16 +205,21 @@ class RaisingProbe(Probe):
             return (f"NaNCheck: the gradient flowing back into the output of {self.describe} holds {counts} "
                     f"(forward call {ctx.call}). It was produced by the backward of its user(s) {users}: check their "
                     f"domain (sqrt/log/pow near 0, division by small values) or clip the gradient.{at}")
-        parts, all_finite = [], True
+        parts, all_finite, bad_params = [], True, []
+        param_inputs = getattr(self, "param_inputs", {})  # a probe pickled before it existed has none
         for name, t in zip(self.input_names, ctx.inputs):
             if isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) and t.numel():
                 t = t.detach()
                 finite = bool(torch.isfinite(t).all())
+                if name in param_inputs:  # a weight: the cause below names it, as for a module's own
+                    if not finite:
+                        bad_params.append(param_inputs[name])
+                    continue
                 all_finite &= finite
                 parts.append(f"'{name}' {tuple(t.shape)}: min {float(t.min()):.4g}, max {float(t.max()):.4g}"
                              + ("" if finite else " (already non-finite)"))
         params = self.owner.named_parameters() if self.owner is not None else ()
-        bad_params = [f"{self.module}.{n}" for n, p in params if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+        bad_params += [f"{self.module}.{n}" for n, p in params if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
         inputs = "; ".join(parts) if parts else "no floating-point tensor inputs"
         if bad_params:
             cause = f"Its parameter(s) {', '.join(bad_params)} are not finite: the weights went bad (learning rate, a bad checkpoint)."

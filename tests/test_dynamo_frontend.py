@@ -310,3 +310,40 @@ def test_saved_and_loaded_keeps_the_report_and_adds_to_it():
     assert [r["node"] for r in again.rows] == [r["node"] for r in before.rows]  # the same names: merged, not new rows
     loaded.reset()
     assert loaded.report().calls == 0 and all(r["calls"] == 0 for r in loaded.report().rows)
+
+
+class _Sqrt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return torch.sqrt(torch.relu(self.fc(x))).sum()
+
+
+def test_backward_nonfinite_names_the_producing_user():
+    # the merged report kept first_nonfinite_grad but dropped the part's nonfinite_grad_from
+    torch.manual_seed(0)
+    model, x = _Sqrt(), torch.randn(4, 3)
+    dbg = fxdebug.instrument(model, [NaNCheck(backward=True)], example_inputs=(x,), frontend="dynamo")
+    dbg(x).backward()
+    report = dbg.report()
+    assert report.first_nonfinite_grad == "relu" and report.nonfinite_grad_from == ["sqrt"]
+    assert "from the backward of sqrt" in str(report)
+
+
+def test_nonfinite_weights_are_blamed_in_raise_and_record_mode():
+    # Dynamo's torch.linear reads fc.weight as a get_attr input: the message named it an input "from a node
+    # NaNCheck does not watch" instead of a non-finite parameter
+    import math
+
+    model, x = MLP(), torch.randn(2, 4)
+    raising = fxdebug.instrument(model, [NaNCheck(mode="raise")], example_inputs=(x,), frontend="dynamo")
+    recording = _dbg(model, x)
+    with torch.no_grad():
+        model.fc1.weight[0, 0] = math.inf
+    with pytest.raises(fxdebug.NonFiniteError, match=r"node 'fc1'.*parameter\(s\) fc1.weight are not finite"):
+        raising(x)
+    recording(x)
+    report = recording.report()
+    assert report.first_nonfinite == "fc1" and report.nonfinite_params == ["fc1.weight"]

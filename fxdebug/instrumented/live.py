@@ -44,7 +44,7 @@ from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows, channel_maxima
-from fxdebug.report.report import Report, merge_reports
+from fxdebug.report.report import Report, _grad_producers, _nonfinite_params, merge_reports
 from fxdebug.runtime.columns import ORIGIN, resolve_columns
 from fxdebug.runtime.lower import lower_observers
 from fxdebug.runtime.observer import Observer
@@ -307,6 +307,7 @@ class LiveInstrumented(Instrumented):
                      frontend="dynamo")
         merged = merge_reports({"": one}, frontend="dynamo", notes=self._summary_notes())
         merged.calls = self.__dict__["_calls"]
+        _origin_facts(merged, reports)
         return merged
 
     def reset(self) -> None:
@@ -473,6 +474,26 @@ def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
     part._non_persistent_buffers_set = model._non_persistent_buffers_set
     part.__dict__[NAMESPACE] = space
     return part
+
+
+def _origin_facts(merged: Report, reports: list[tuple[Report, Any]]) -> None:
+    """What the merged rows alone cannot say, read from the capture whose graph holds the origin node:
+    the users whose backward made the first non-finite gradient (``nonfinite_grad_from``), and the
+    non-finite weights the forward origin's op reads (``nonfinite_params``: in a Dynamo graph they are
+    ``get_attr`` inputs of ``torch.linear``, not a module's). A saved capture gives what it said then."""
+    entered, origin = merged.first_nonfinite_grad, merged.first_nonfinite
+    for rep, part in reports:
+        nodes = {} if isinstance(part, dict) else {n.name: n for n in part.graph.nodes}
+        if entered is not None and not merged.nonfinite_grad_from:
+            if entered in nodes:
+                merged.nonfinite_grad_from = _grad_producers(entered, nodes)
+            elif rep.first_nonfinite_grad == entered:
+                merged.nonfinite_grad_from = list(rep.nonfinite_grad_from)
+        if origin is not None and not merged.nonfinite_params:
+            if origin in nodes:
+                merged.nonfinite_params = _nonfinite_params(part, nodes[origin])
+            elif rep.first_nonfinite == origin:
+                merged.nonfinite_params = list(rep.nonfinite_params)
 
 
 def _global_calls(report: Report, calls: list[int]) -> None:
