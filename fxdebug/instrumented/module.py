@@ -24,8 +24,10 @@ import warnings
 from collections import OrderedDict
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 from torch.fx import Graph, GraphModule
+from torch.fx.graph import _PyTreeCodeGen
 
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.graph.diagnose import locate_failure, op_failure
@@ -84,9 +86,47 @@ class Instrumented(GraphModule):
         return gm
 
     def recompile(self) -> Any:
-        code = super().recompile()
-        type(self).__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
+        """Mark the generated code stale; it is generated at the first call (or ``.code`` read).
+
+        Like torch's ``_LazyGraphModule``: ``instrument()`` edits the graph in several stages
+        (capture, passes, lowering), and generating Python for a 10k-node graph after each one
+        cost more than everything else together. ``real_recompile()`` generates it now.
+        """
+        self.__dict__["_fxdebug_stale_code"] = True
+        cls = type(self)
+        if isinstance(self._graph._codegen, _PyTreeCodeGen):  # what GraphModule.recompile sets first
+            self._in_spec = self._graph._codegen.pytree_info.in_spec
+            self._out_spec = self._graph._codegen.pytree_info.out_spec
+        cls.forward = Instrumented._lazy_forward  # type: ignore[method-assign]
+        cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
+        return None
+
+    @torch.compiler.disable
+    def real_recompile(self) -> Any:
+        """Generate the module's Python code now if the graph changed since (``None`` if it had not)."""
+        if not self.__dict__.get("_fxdebug_stale_code"):
+            return None
+        self.__dict__["_fxdebug_stale_code"] = False
+        cls = type(self)
+        own = vars(cls).get("forward")
+        code = GraphModule.recompile(self)
+        cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
+        if own is not None and own is not Instrumented._lazy_forward:
+            cls.forward = own  # a subclass's own forward (the subtrees' eager root) stays
         return code
+
+    def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.real_recompile()
+        return type(self).forward(self, *args, **kwargs)
+
+    @property
+    def code(self) -> str:
+        self.real_recompile()
+        return str(self._code)
+
+    def __str__(self) -> str:
+        self.real_recompile()
+        return super().__str__()
 
     def train(self, mode: bool = True) -> "Instrumented":
         super().train(mode)

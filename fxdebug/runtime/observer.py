@@ -18,6 +18,8 @@ import contextlib
 import dataclasses
 import math
 import threading
+from collections import OrderedDict
+from types import MappingProxyType
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -450,11 +452,21 @@ class Observer(nn.Module):
     _calls: int
     _clock: Clock | None  # shared, not a child
 
+    # nn.Module.__init__ gives every module fourteen dicts of its own (parameters, buffers,
+    # children, hook tables: ~1.8 KB). An observer holds none of them and there is one per watched
+    # node, so they are made on first use (``_Made``), and the three that hold state are shared,
+    # empty and read-only: an observer registers no parameter, buffer or child.
+    _parameters = MappingProxyType({})  # type: ignore[assignment]
+    _buffers = MappingProxyType({})  # type: ignore[assignment]
+    _modules = MappingProxyType({})  # type: ignore[assignment]
+    _non_persistent_buffers_set = frozenset()  # type: ignore[assignment]
+    _is_full_backward_hook = None
+
     def __init__(self, node_name: str, module_path: str, op: str, clock: Clock | None = None) -> None:
-        super().__init__()
-        # Plain values, set directly: nn.Module.__setattr__ costs ~10 µs each, and a 2,000-node
-        # graph makes 2,000 observers.
+        # Not nn.Module.__init__ (see above); plain values set directly (nn.Module.__setattr__
+        # costs ~10 µs each, and a 10k-node graph makes 10k observers).
         self.__dict__.update(
+            training=True,
             node_name=node_name, module_path=module_path, op=op,
             probes={},  # key -> Probe
             _grads=False, _channel_dim=None,
@@ -639,6 +651,30 @@ class Observer(nn.Module):
         if "calls" in state:
             state["_calls"] = state.pop("calls")
         self.__dict__.update(state)
+
+
+class _Made:
+    """A per-instance ``OrderedDict`` that ``nn.Module.__init__`` would make eagerly, made on first use.
+
+    A non-data descriptor: the first read stores the new dict in the instance, which shadows it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        made = obj.__dict__[self.name] = OrderedDict()
+        return made
+
+
+for _hooks in ("_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks"):
+    _made = _Made()
+    _made.__set_name__(Observer, _hooks)
+    setattr(Observer, _hooks, _made)
 
 
 def _state_device(state: dict[str, Any]) -> torch.device | None:
