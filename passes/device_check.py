@@ -40,11 +40,16 @@ def _counts(t: Tensor) -> bool:
     return not (t.dim() == 0 and t.device.type == "cpu")
 
 
-def check_devices(info: tuple[str, str, str, str, str, tuple[str, ...]], module: nn.Module | None, *inputs: Any) -> None:
+_Info = tuple[str, str, str, str, str, tuple[str, ...], tuple[str, ...]]
+
+
+def check_devices(info: _Info, module: nn.Module | None, *inputs: Any) -> None:
     """Raise ``DeviceMismatchError`` if ``inputs`` and ``module``'s tensors span several devices.
 
-    ``info`` is ``(description, node, module path, op, source line, input names)``, fixed at
-    instrumentation time so the success path only reads devices.
+    ``info`` is ``(description, node, module path, op, source line, input names, held)``, fixed at
+    instrumentation time so the success path only reads devices; ``held[i]`` is the qualified name of
+    the parameter or buffer input ``i`` reads (a ``get_attr`` node: how Dynamo and export graphs pass
+    weights to ``torch.linear``), else ``""``.
     """
     first: torch.device | None = None
     mixed = False
@@ -71,19 +76,21 @@ def _module_tensors(module: nn.Module) -> Any:
     yield from module.buffers()
 
 
-def _error(info: tuple[str, str, str, str, str, tuple[str, ...]], module: nn.Module | None, inputs: tuple[Any, ...]) -> DeviceMismatchError:
-    describe, node, path, op, where, names = info
+def _error(info: _Info, module: nn.Module | None, inputs: tuple[Any, ...]) -> DeviceMismatchError:
+    describe, node, path, op, where, names, held = info
     parts = []
-    for name, t in zip(names, inputs):
-        if isinstance(t, Tensor):
-            parts.append(f"input '{name}' {tuple(t.shape)} on {t.device}")
     module_devices: dict[str, list[str]] = {}
+    for name, qualname, t in zip(names, held, inputs):
+        if isinstance(t, Tensor) and qualname:  # the model's own weights, read as a graph input
+            module_devices.setdefault(str(t.device), []).append(qualname)
+        elif isinstance(t, Tensor):
+            parts.append(f"input '{name}' {tuple(t.shape)} on {t.device}")
     if module is not None:
         for pname, t in list(module.named_parameters()) + list(module.named_buffers()):
             module_devices.setdefault(str(t.device), []).append(f"{path}.{pname}" if path else pname)
-        for dev, tensors in module_devices.items():
-            shown = ", ".join(tensors[:4]) + (f" and {len(tensors) - 4} more" if len(tensors) > 4 else "")
-            parts.append(f"parameters {shown} on {dev}")
+    for dev, tensors in module_devices.items():
+        shown = ", ".join(tensors[:4]) + (f" and {len(tensors) - 4} more" if len(tensors) > 4 else "")
+        parts.append(f"parameters {shown} on {dev}")
     if module_devices and len(module_devices) == 1:
         target = next(iter(module_devices))
         fix = (f"Move the inputs to {target} (x = x.to('{target}')), or the model to the inputs' device "
@@ -109,6 +116,9 @@ class DeviceCheck(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
+        # parameters and buffers by every name they have: a graph may read a shared one under either
+        state = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+        state |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
         for node in ctx.nodes(gm, self.where):
             module = get_module(gm, node)
             has_state = module is not None and any(True for _ in _module_tensors(module))
@@ -116,13 +126,14 @@ class DeviceCheck(Pass):
                        and ctx.tensor_spec(a) is not None]
             if len(tensors) + (1 if has_state else 0) < 2:
                 continue
-            added.extend(self._guard(ctx, node, tensors, has_state))
+            added.extend(self._guard(ctx, node, tensors, has_state, state))
         return PassResult(gm, added=added)
 
     @staticmethod
-    def _guard(ctx: PassContext, node: Node, tensors: list[Node], has_state: bool) -> list[Node]:
+    def _guard(ctx: PassContext, node: Node, tensors: list[Node], has_state: bool, state: set[str]) -> list[Node]:
         info = (describe(node), node.name, module_path(node), op_label(node), source_line(node) or "",
-                tuple(a.name for a in tensors))
+                tuple(a.name for a in tensors),
+                tuple(str(a.target) if a.op == "get_attr" and str(a.target) in state else "" for a in tensors))
         owner = ctx.insert_before(node, str(node.target)) if has_state else None
         guard = ctx.insert_before(node, check_devices, (info, owner, *tensors))
         new = [n for n in (owner, guard) if n is not None]
