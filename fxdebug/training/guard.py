@@ -251,23 +251,27 @@ class Guard(torch.optim.Optimizer):
 
     def _restoring_step(self, params: list[Tensor], bad: Tensor, step: Callable[[], Any], params_too: bool = True) -> None:
         """Run ``step`` between a copy of what it may change (into buffers kept from step to step)
-        and a select back, in place: ``t = t * (1 - bad) + copy * bad`` over the bits of each tensor
-        (integer views of the same width, so NaN/Inf/-0.0 travel exactly and nothing overflows).
+        and a copy back, both taken only when ``bad`` — decided on the device, by the kernel.
 
-        The tensors, their copies and their integer views are a plan kept from step to step (rebuilt
-        when the optimizer's state tensors change); the copy is one ``_foreach_copy_``, the select
-        one ``_foreach_mul_`` and one ``_foreach_addcmul_`` per device and width — no Python per
-        tensor, and about three times faster than ``torch.where`` on CPU."""
+        float32/float64 tensors on CPU and CUDA (all an optimizer usually holds): the copies are
+        ``torch._fused_sgd_`` calls used as a conditional copy — its first-step momentum update
+        ``buf = grad`` is a plain load and store, and its ``found_inf`` input (the one fused
+        optimizers and ``GradScaler`` use) makes the kernel return at once when the step is good.
+        So a good step costs two kernel launches, not a pass over the parameters and their state.
+        Other tensors: copied every step and selected back over their bits (``t * (1 - bad) + copy
+        * bad`` on integer views of the same width: exact for NaN/Inf/-0.0, nothing overflows).
+        The tensors, copies and groups are a plan kept from step to step, rebuilt when the
+        optimizer's state tensors change: no Python per tensor in a step."""
         state = self.optimizer.state
         live = _live(state, params, params_too)
         plan = self.__dict__.get("_plan")
         if plan is None or not plan.matches(live, params, params_too):
             plan = self.__dict__["_plan"] = _Plan(self, state, live, params, params_too)
-        if plan.backs:
-            torch._foreach_copy_(plan.backs, plan.tensors)
+        with torch.no_grad():
+            plan.save(bad)
         step()
         with torch.no_grad():
-            plan.select_back(bad)
+            plan.restore(bad)
             after = _live(state, params, params_too)
             if len(after) != len(live) or not all(map(operator.is_, after, live)):
                 self._restore_changed(plan, params, bad > 0)
@@ -426,20 +430,42 @@ def _live(state: Any, params: list[Tensor], params_too: bool) -> list[Tensor]:
 
 
 class _Plan:
-    """The tensors a restoring step copies and selects back, grouped by device and width once
-    (not per step): their copies, integer views of both, and where each state tensor lives."""
+    """The tensors a restoring step saves and takes back, grouped by device and dtype once (not per
+    step): their copies, and how each group is copied (see ``Guard._restoring_step``)."""
 
     def __init__(self, owner: Guard, state: Any, live: list[Tensor], params: list[Tensor], params_too: bool) -> None:
         self.live, self.params, self.params_too = live, params, params_too
         self.keys = {id(p): set(state.get(p, {})) for p in params}
         backs = {id(t): owner._buffer(t) for t in live}
         self.held = [(p, k, v, backs[id(v)]) for p in params for k, v in state.get(p, {}).items() if isinstance(v, Tensor)]
-        self.tensors = [t.detach() for t in live]
-        self.backs = [backs[id(t)] for t in live]
-        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
-        self.other: list[tuple[Tensor, Tensor]] = []  # bool, complex128, ...: torch.where
-        for t, b in zip(self.tensors, self.backs):
-            bits = _BITS.get(t.element_size())  # bool and 1-byte dtypes, complex128: torch.where
+        # conditional copies: (device, tensors, copies, scratch views for the kernel's unused "param" output)
+        self.copies: list[tuple[torch.device, list[Tensor], list[Tensor], list[Tensor]]] = []
+        self.saved: tuple[list[Tensor], list[Tensor]] = ([], [])  # copied every step (the rest)
+        self.groups: list[tuple[torch.device, torch.dtype, list[Tensor], list[Tensor]]] = []  # selected back over bits
+        self.other: list[tuple[Tensor, Tensor]] = []  # bool, 1-byte, complex128, sparse: torch.where
+        by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
+        rest: list[tuple[Tensor, Tensor]] = []
+        for t in live:
+            t, b = t.detach(), backs[id(t)]
+            if _copies_on_device(t):
+                ts, bs = by_kind.setdefault((t.device, t.dtype), ([], []))
+                ts.append(t)
+                bs.append(b)
+            else:
+                rest.append((t, b))
+        for (dev, dtype), (ts, bs) in by_kind.items():
+            scratch = torch.empty(max(t.numel() for t in ts), dtype=dtype, device=dev)
+            self.copies.append((dev, ts, bs, [scratch[:t.numel()].view(t.shape) for t in ts]))
+        self._select(rest)
+
+    def _select(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
+        """Add ``(tensor, copy)`` pairs to those copied every step and selected back."""
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {
+            (dev, bits): (ts, bs) for dev, bits, ts, bs in self.groups}
+        for t, b in pairs:
+            self.saved[0].append(t)
+            self.saved[1].append(b)
+            bits = _BITS.get(t.element_size())
             if bits is None or t.dtype == torch.bool or t.is_sparse:
                 self.other.append((t, b))
                 continue
@@ -452,8 +478,22 @@ class _Plan:
         return (params_too == self.params_too and len(live) == len(self.live) and len(params) == len(self.params)
                 and all(map(operator.is_, live, self.live)) and all(map(operator.is_, params, self.params)))
 
-    def select_back(self, bad: Tensor) -> None:
-        """``t = t * (1 - bad) + copy * bad`` over the bits (``bad`` is 0.0 or 1.0 on the device)."""
+    def save(self, bad: Tensor) -> None:
+        """Before the step: the copies (the conditional ones only when ``bad``)."""
+        self._skip = 1.0 - bad  # found_inf of the conditional copies: 1.0 (return at once) on a good step
+        for i, (dev, ts, bs, scratch) in enumerate(list(self.copies)):
+            try:
+                _copy_if(bs, ts, scratch, self._skip.to(dev, non_blocking=True))
+            except (RuntimeError, NotImplementedError):  # a torch build or device without the kernel: copy always
+                self.copies.remove((dev, ts, bs, scratch))
+                self._select(list(zip(ts, bs)))
+        if self.saved[0]:
+            torch._foreach_copy_(self.saved[1], self.saved[0])
+
+    def restore(self, bad: Tensor) -> None:
+        """After the step: what it changed back from the copies, when ``bad`` (0.0 or 1.0 on the device)."""
+        for dev, ts, bs, scratch in self.copies:
+            _copy_if(ts, bs, scratch, self._skip.to(dev, non_blocking=True))
         for dev, bits, ts, bs in self.groups:
             take = bad.to(dev, non_blocking=True).to(bits)
             torch._foreach_mul_(ts, 1 - take)
@@ -462,3 +502,20 @@ class _Plan:
         for t, b in self.other:
             keep = (bad > 0) if keep is None else keep
             torch.where(keep.to(t.device), b, t, out=t)
+
+
+def _copies_on_device(t: Tensor) -> bool:
+    """Whether ``t`` takes the conditional copy (``_copy_if``): a dense float32/float64 tensor on
+    CPU or CUDA, laid out contiguously (the kernel walks its memory linearly)."""
+    return (t.dtype in (torch.float32, torch.float64) and t.device.type in ("cpu", "cuda") and not t.is_sparse
+            and t.is_contiguous() and t.numel() > 0)
+
+
+def _copy_if(dst: list[Tensor], src: list[Tensor], scratch: list[Tensor], skip: Tensor) -> None:
+    """``dst[i].copy_(src[i])`` for every i unless ``skip`` (a 0-d float32 on their device) is 1.0 —
+    decided by the kernel, no host sync. It is torch's fused SGD kernel on its first step with
+    momentum: ``momentum_buffer = grad`` (a load and a store: bit for bit, NaN payloads, -0.0 and
+    subnormals included; tests/test_guard.py checks it), and its ``found_inf`` input returns before
+    any work; ``scratch`` takes the (unused) parameter update, ``src`` is only read."""
+    torch._fused_sgd_(scratch, src, dst, weight_decay=0.0, momentum=1.0, lr=0.0, dampening=0.0, nesterov=False,
+                      maximize=False, is_first_step=True, found_inf=skip)
