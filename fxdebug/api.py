@@ -208,8 +208,12 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
     if inputs is not None:
         check_example_inputs(model, inputs)
         args, kwargs = clone_inputs(inputs)
-        with preserved_state(model):  # buffers, Python state and RNG as they were: the call only captures
-            gm(*args, **kwargs)
+        gm.__dict__["_examples"] = True  # a failure of the model's forward here names the example inputs
+        try:
+            with preserved_state(model):  # buffers, Python state and RNG as they were: the call only captures
+                gm(*args, **kwargs)
+        finally:
+            gm.__dict__["_examples"] = False
         gm.reset()
         check_where_matched(passes, gm.parts())
     graph_record(gm).instrument_seconds = time.perf_counter() - start

@@ -347,3 +347,38 @@ def test_nonfinite_weights_are_blamed_in_raise_and_record_mode():
     recording(x)
     report = recording.report()
     assert report.first_nonfinite == "fc1" and report.nonfinite_params == ["fc1.weight"]
+
+
+class _Boom(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("broken forward")
+
+
+def test_a_forward_that_cannot_run_is_a_trace_error_naming_the_line():
+    x = torch.randn(2, 4)
+    with pytest.raises(fxdebug.TraceError, match=r"_Boom's own forward raised RuntimeError on the example inputs: "
+                                                 r"broken forward \(at test_dynamo_frontend.py:\d+ `raise Runtime") as e:
+        fxdebug.instrument(_Boom(), [NaNCheck()], example_inputs=(x,), frontend="dynamo")
+    assert isinstance(e.value.__cause__, RuntimeError)
+    # without example inputs the first call is the capture: the same typed error there
+    dbg = fxdebug.instrument(_Boom(), [NaNCheck()], frontend="dynamo")
+    with pytest.raises(fxdebug.TraceError, match=r"raised RuntimeError at its first call.*broken forward"):
+        dbg(x)
+
+
+def test_after_a_call_has_run_the_model_exceptions_are_its_own():
+    class Picky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.shape[0] > 3:
+                raise ValueError("batch too large")
+            return self.fc(x)
+
+    dbg = fxdebug.instrument(Picky(), [NaNCheck()], frontend="dynamo")
+    dbg(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="batch too large") as e:
+        dbg(torch.randn(5, 4))
+    assert not isinstance(e.value, fxdebug.FxDebugError)

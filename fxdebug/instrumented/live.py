@@ -37,7 +37,7 @@ from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, Prepared, backend, dy
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.graphs import SymbolicFrontend
-from fxdebug.errors import FxDebugError, UsageError
+from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
@@ -112,16 +112,36 @@ class LiveInstrumented(Instrumented):
         return code
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
+        """One call of the model through Dynamo; failures typed.
+
+        Until a call has run (no example inputs at ``instrument()``: the first call is the capture), an
+        exception of the model's own forward is a ``TraceError`` naming it and the user's line, as the
+        snapshot frontends give at ``instrument()`` (it is a ``RuntimeError`` too; the original is its
+        ``__cause__``); after that, the model's exceptions are its own. Dynamo's own failures are
+        ``TraceError``s at any call.
+        """
         self.__dict__["_calls"] += 1
-        if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
-            return self._call_under_modes(args, kwargs)
         try:
-            with live(self), dynamo_config(), warnings.catch_warnings():
-                # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
-                warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
-                return self.__dict__["_compiled"](*args, **kwargs)
-        except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors while capturing
-            raise (self._guarded(args, kwargs) or _diagnosed(self._model, args, kwargs, exc)) from exc
+            if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
+                out = self._call_under_modes(args, kwargs)
+            else:
+                with live(self), dynamo_config(), warnings.catch_warnings():
+                    # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
+                    warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
+                    try:
+                        out = self.__dict__["_compiled"](*args, **kwargs)
+                    except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
+                        raise (self._guarded(args, kwargs) or _diagnosed(self._model, args, kwargs, exc)) from exc
+        except FxDebugError:
+            raise
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            raise _dynamo_failed(self._model, exc) from exc
+        except Exception as exc:
+            if self.__dict__.get("_ran"):
+                raise
+            raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
+        self.__dict__["_ran"] = True
+        return out
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FxDebugError | None:
         """The error a pass's run-time guard (``DeviceCheck``, ``ShapeAssert``) gives for these arguments.
@@ -509,6 +529,45 @@ def _global_calls(report: Report, calls: list[int]) -> None:
             value = row.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(calls):
                 row[key] = calls[value]
+
+
+def _user_line(exc: BaseException) -> str:
+    """``file.py:42 `line``` of the innermost frame of ``exc``'s traceback outside torch and fxdebug."""
+    import os
+    import traceback
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fxdebug/
+    skip = (os.path.dirname(torch.__file__ or "") + os.sep, here + os.sep)
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
+            line = f" `{frame.line.strip()}`" if frame.line else ""
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}{line}"
+    return ""
+
+
+def _first_call_failed(model: nn.Module, exc: Exception, examples: bool) -> TraceError:
+    """The model's forward raised before anything was captured: a ``TraceError`` naming it and where."""
+    name = type(model).__name__
+    where = _user_line(exc)
+    when = "on the example inputs" if examples else "at its first call (the live capture runs the model then)"
+    msg = str(exc).strip().rstrip(".") or type(exc).__name__
+    return TraceError(
+        f"{name}'s own forward raised {type(exc).__name__} {when}: {msg}"
+        + (f" (at {where})" if where else "") + ". Nothing was captured: fxdebug can only capture a model that runs: "
+        "fix the forward or the inputs (the original exception is this error's __cause__).",
+        module="", op=name)
+
+
+def _dynamo_failed(model: nn.Module, exc: Exception) -> TraceError:
+    """TorchDynamo itself failed (not the model): a ``TraceError`` with its reason and what to do."""
+    name = type(model).__name__
+    reason = " ".join(str(exc).split())[:600].rstrip(".") or type(exc).__name__
+    where = _user_line(exc)
+    return TraceError(
+        f"TorchDynamo could not capture {name}'s forward ({type(exc).__name__}"
+        + (f" at {where}" if where else "") + f"): {reason}. Use a snapshot frontend "
+        "(frontend='symbolic' or 'export'), or FXDEBUG_AUTO=snapshot to make that the default.",
+        module="", op="dynamo")
 
 
 def _diagnosed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> Exception:
