@@ -11,6 +11,7 @@
 // dozen stores), which is what makes concurrent calls from several threads safe.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/grad_mode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -284,11 +285,53 @@ void observe_many_autograd(at::TensorList xs, at::Tensor& table, at::IntArrayRef
   op.call(xs, table, args);
 }
 
+// Gradient statistics without Python in the backward: fxdebug::observe_grad(x, table, row, ...)
+// registers on `x` a C++ tensor hook whose body is fxdebug::observe on the gradient (through the
+// dispatcher, so every device's kernel applies), folding it into the node's gradient row. The
+// hook returns nothing, so the gradient flows on untouched; the forward costs one dispatch and
+// one small allocation per node, the backward no Python frame at all. A no-op without autograd
+// (no grad mode, or a tensor that does not require grad). Registered as
+// CompositeImplicitAutograd: under torch.compile, AOTAutograd runs it on its traced tensors, so
+// the observation of each gradient is traced into the compiled backward graph.
+void register_grad_hook(const at::Tensor& x, const at::Tensor& table, int64_t row, int64_t chan_off, int64_t channels,
+                        int64_t channel_dim) {
+  if (!x.defined() || !x.requires_grad() || !at::GradMode::is_enabled()) return;
+  at::Tensor state = table;
+  x.register_hook([state, row, chan_off, channels, channel_dim](const at::Tensor& grad) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("fxdebug::observe", "")
+                         .typed<void(const at::Tensor&, at::Tensor&, int64_t, int64_t, int64_t, int64_t)>();
+    at::Tensor t = state;  // a new handle on the same table (the op's schema takes it mutable)
+    if (grad.defined()) op.call(grad, t, row, chan_off, channels, channel_dim);
+  });
+}
+
+void observe_grad(const at::Tensor& x, at::Tensor& table, int64_t row, int64_t chan_off, int64_t channels,
+                  int64_t channel_dim) {
+  register_grad_hook(x, table, row, chan_off, channels, channel_dim);
+}
+
+// Several taps in one call; `args` holds (row, chan_off, channels, channel_dim) for each tensor.
+void observe_grad_many(at::TensorList xs, at::Tensor& table, at::IntArrayRef args) {
+  TORCH_CHECK(static_cast<int64_t>(args.size()) == 4 * static_cast<int64_t>(xs.size()),
+              "fxdebug::observe_grad_many: expected 4 ints per tensor, got ", args.size(), " for ", xs.size());
+  if (!at::GradMode::is_enabled()) return;
+  for (size_t i = 0; i < xs.size(); i++)
+    register_grad_hook(xs[i], table, args[4 * i], args[4 * i + 1], args[4 * i + 2], args[4 * i + 3]);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fxdebug, m) {
   m.def("observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()");
   m.def("observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()");
+  m.def("observe_grad(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()");
+  m.def("observe_grad_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(fxdebug, CompositeImplicitAutograd, m) {
+  m.impl("observe_grad", &observe_grad);
+  m.impl("observe_grad_many", &observe_grad_many);
 }
 
 TORCH_LIBRARY_IMPL(fxdebug, CPU, m) {

@@ -30,6 +30,7 @@ each other's cache; a build says so on stderr (it takes tens of seconds, once pe
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import platform
@@ -43,13 +44,15 @@ import torch
 from fxdebug.errors import UsageError
 from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 
-__all__ = ["KERNELS", "active", "backend", "fallback_reason", "fused_compile", "load", "observe_many_op", "observe_op", "requested",
-           "runtime_notes", "use"]
+__all__ = ["KERNELS", "active", "backend", "fallback_reason", "fused_compile", "load", "observe_grad_many_op", "observe_grad_op",
+           "observe_many_op", "observe_op", "requested", "runtime_notes", "use"]
 
 KERNELS = ("cpp", "triton", "torch")
 
 _SCHEMA = "observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()"
 _SCHEMA_MANY = "observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()"
+_SCHEMA_GRAD = "observe_grad(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()"
+_SCHEMA_GRAD_MANY = "observe_grad_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()"
 _SOURCES = [Path(__file__).resolve().parent.parent / "csrc" / "observe.cpp"]
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {"backend": None, "why": None, "libs": [], "cuda": "torch", "cuda_why": None}
@@ -200,6 +203,10 @@ def load() -> str:
             lib.define(_SCHEMA_MANY)
             lib.impl("observe", _below_autograd, "Autograd")
             lib.impl("observe_many", _many_below_autograd, "Autograd")
+            lib.define(_SCHEMA_GRAD)
+            lib.define(_SCHEMA_GRAD_MANY)
+            lib.impl("observe_grad", _observe_grad_py, "CompositeImplicitAutograd")
+            lib.impl("observe_grad_many", _observe_grad_many_py, "CompositeImplicitAutograd")
         lib.impl("observe", observe_torch, "CompositeExplicitAutograd")
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=fragment)
@@ -336,6 +343,7 @@ def _defined() -> bool:
     try:
         torch.ops.fxdebug.observe.default  # noqa: B018
         torch.ops.fxdebug.observe_many.default  # noqa: B018
+        torch.ops.fxdebug.observe_grad.default  # noqa: B018
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -381,3 +389,32 @@ def observe_many_op() -> Any:
     """The batched op: several small tensors in one call."""
     load()
     return torch.ops.fxdebug.observe_many.default
+
+
+def observe_grad_op() -> Any:
+    """The gradient tap: ``observe_grad(x, table, row, chan_off, channels, channel_dim)`` makes the
+    backward observe the gradient flowing into ``x`` (a C++ hook calling ``observe``: no Python in
+    the backward where the C++ kernel is built); a no-op without autograd."""
+    load()
+    return torch.ops.fxdebug.observe_grad.default
+
+
+def observe_grad_many_op() -> Any:
+    """Several gradient taps in one call (4 ints per tensor, as ``observe_many``)."""
+    load()
+    return torch.ops.fxdebug.observe_grad_many.default
+
+
+def _observe_grad_py(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
+    """``observe_grad`` where the C++ extension is not built: a Python tensor hook whose body is the op
+    itself (``functools.partial``, state bound by keyword: no Python frame of ours in the backward)."""
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+        hook = functools.partial(torch.ops.fxdebug.observe.default, table=table, row=row, chan_off=chan_off,
+                                 channels=channels, channel_dim=channel_dim)
+        x.register_hook(hook)  # type: ignore[no-untyped-call]
+
+
+def _observe_grad_many_py(xs: Any, table: Any, args: Any) -> None:
+    if torch.is_grad_enabled():
+        for i, x in enumerate(xs):
+            _observe_grad_py(x, table, *args[4 * i: 4 * i + 4])

@@ -8,7 +8,7 @@ table and, where all its probes are fused, replaces the ``call_module`` to it wi
 
 — a ``call_function`` straight into the dispatcher (the C++ kernel on CPU), no Python per node
 and call. The clock node (the graph's first instrumentation node) returns the state table.
-Watching gradients adds a ``observe_grad`` tap, which registers one hook whose body is the same
+Watching gradients adds a ``fxdebug::observe_grad`` tap (kernel.py), which registers one C++ hook whose body is the same
 op on the gradient. The observer module stays registered (it holds the probes and builds the
 report rows); ``meta["fxdebug"]["observer"]`` names it on the lowered nodes. ``unlower`` undoes
 it for a node (re-instrumenting attaches more probes to the same observer).
@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 from fxdebug.graph.meta import fx_meta
 from fxdebug.runtime.observer import Clock, GradHookable, Observer
-from fxdebug.runtime.kernel import load, observe_many_op, observe_op
+from fxdebug.runtime.kernel import load, observe_grad_op, observe_many_op, observe_op
 
 __all__ = ["GradTap", "batch_observations", "find_lowered", "is_lowered", "lower_observers", "observe_grad",
            "observer_of", "observers_in", "unbatch", "unlower"]
@@ -125,7 +125,7 @@ def lower_observers(gm: GraphModule) -> int:
         fx_meta(node)["observer"], fx_meta(node)["phase"] = meta["observer"], "forward"
         if "grad" in obs.fused_rows:
             with graph.inserting_after(node):
-                tap = graph.call_function(observe_grad, (x, clock_node, *obs.fused_rows["grad"]))
+                tap = graph.call_function(observe_grad_op(), (x, clock_node, *obs.fused_rows["grad"]))
             tap.meta.update({k: v for k, v in node.meta.items() if k != "fxdebug"})
             fx_meta(tap).update(meta, phase="grad")
         lowered += 1
