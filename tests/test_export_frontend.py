@@ -134,7 +134,11 @@ def test_auto_picks_export_and_outputs_are_bitwise_equal(case: Any) -> None:
     name, model, args, kwargs = case
     keys = list(model.state_dict())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], example_inputs=_example(args, kwargs))
+    # the snapshot chain (trace(), and instrument() without the live default) falls through to export ...
+    assert fxdebug.trace(model, _example(args, kwargs)).trace_info.frontend == "export"
+    # ... and this file is about that frontend's graphs: pinned, whatever instrument()'s "auto" means
+    dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], example_inputs=_example(args, kwargs),
+                             frontend="export")
     assert dbg.trace_info.frontend == "export"
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "capture changed the model"
     ref, out = model(*args, **kwargs), dbg(*args, **kwargs)
@@ -158,7 +162,7 @@ def test_star_args_with_keywords() -> None:
 
 def test_nan_is_located_by_module_path(case: Any) -> None:
     name, model, args, kwargs = case
-    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=_example(args, kwargs))
+    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=_example(args, kwargs), frontend="export")  # aten rows
     with torch.no_grad():
         model.block.fc.weight[0, 0] = float("nan")
     dbg(*args, **kwargs)
