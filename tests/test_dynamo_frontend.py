@@ -382,3 +382,21 @@ def test_after_a_call_has_run_the_model_exceptions_are_its_own():
     with pytest.raises(ValueError, match="batch too large") as e:
         dbg(torch.randn(5, 4))
     assert not isinstance(e.value, fxdebug.FxDebugError)
+
+
+def test_none_arguments_of_a_capturing_call_are_named_and_a_value_captures_again():
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x, *, scale: float = 1.0, mask=None):
+            y = self.fc(x) * scale
+            return y if mask is None else y.masked_fill(mask, 0.0)
+
+    model, x = Masked(), torch.randn(3, 6)
+    dbg = _dbg(model, x)
+    assert any("captured with mask None" in n for n in dbg.report().notes)
+    mask = x > 0
+    assert torch.equal(dbg(x, mask=mask), model(x, mask=mask)) and torch.equal(dbg(x), model(x))
+    assert len(dbg.parts()) == 2 and dbg.report().row("fc")["calls"] == 2

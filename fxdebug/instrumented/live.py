@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import threading
 import time
 import warnings
@@ -121,6 +122,7 @@ class LiveInstrumented(Instrumented):
         ``TraceError``s at any call.
         """
         self.__dict__["_calls"] += 1
+        captured = len(self.__dict__["_parts"])
         try:
             if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
                 out = self._call_under_modes(args, kwargs)
@@ -141,6 +143,8 @@ class LiveInstrumented(Instrumented):
                 raise
             raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
         self.__dict__["_ran"] = True
+        if len(self.__dict__["_parts"]) > captured:  # this call captured: say which optional arguments were None
+            _note_none_arguments(self._model, args, kwargs, self.trace_info.notes)
         return out
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FxDebugError | None:
@@ -529,6 +533,24 @@ def _global_calls(report: Report, calls: list[int]) -> None:
             value = row.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(calls):
                 row[key] = calls[value]
+
+
+def _note_none_arguments(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], notes: list[str]) -> None:
+    """A note naming the forward's arguments that were ``None`` in a call that captured: the graphs hold
+    that branch (a symbolic trace pins them; Dynamo guards on them and captures again when one is given)."""
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return
+    bound.apply_defaults()
+    none = [k for k, v in bound.arguments.items() if v is None]
+    if not none:
+        return
+    names = ", ".join(none)
+    note = (f"dynamo: captured with {names} None (each graph holds the None branch; Dynamo guards on it: a call "
+            f"that passes {'them' if len(none) > 1 else 'it'} is captured again, into the same rows)")
+    if note not in notes:
+        notes.append(note)
 
 
 def _user_line(exc: BaseException) -> str:
