@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 from typing import Any, Callable
 
@@ -289,3 +290,113 @@ def test_any_optimizer_even_one_that_replaces_its_state_tensors() -> None:
         g.zero_grad()
     n = len(list(model2.parameters()))
     assert n <= len(g._buffers) <= 2 * n  # copies of the replaced state tensors are not kept alive step after step
+
+
+def bit_patterns(dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``n`` values of ``dtype`` drawn over its bits: NaNs with payloads, -0.0, subnormals, +-Inf."""
+    ints = torch.int32 if dtype == torch.float32 else torch.int64
+    info = torch.iinfo(ints)
+    bits = torch.randint(info.min, info.max, (n,), dtype=ints, generator=torch.Generator().manual_seed(n))
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), torch.finfo(dtype).tiny / 4], dtype=dtype)
+    bits[: min(n, 6)] = special.view(ints)[: min(n, 6)]
+    return bits.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_conditional_copy_is_bit_exact_and_skips_on_the_flag(dtype: torch.dtype) -> None:
+    guard_module = __import__("sys").modules["fxdebug.training.guard"]
+    sizes = [1, 5, 8, 17, 1000]  # vector body and scalar tail of the kernel
+    src = [bit_patterns(dtype, n) for n in sizes]
+    kept = [s.clone() for s in src]
+    dst = [torch.randn(n, dtype=dtype) for n in sizes]
+    before = [d.clone() for d in dst]
+    scratch = [torch.empty(n, dtype=dtype) for n in sizes]
+    with CountSyncs() as counter:
+        guard_module._copy_if(dst, src, scratch, torch.ones(()))  # a good step: nothing moves
+    assert_bitwise(before, dst, "skipped copy")
+    guard_module._copy_if(dst, src, scratch, torch.zeros(()))  # a bad one: every bit copied
+    assert_bitwise(kept, dst, "copy")
+    assert_bitwise(kept, src, "source")  # only read
+    assert counter.syncs == 0
+
+
+class RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []  # (op, elements of its first tensor-list or tensor argument)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        first = args[0] if args else None
+        size = sum(t.numel() for t in first if isinstance(t, torch.Tensor)) if isinstance(first, (list, tuple)) else getattr(first, "numel", lambda: 0)()
+        self.ops.append((str(func.overloadpacket.__name__), size))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam-foreach"])
+def test_a_good_step_makes_no_pass_over_the_parameters_beyond_the_optimizers_own(kind: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 4))  # more weights than the guard's own log
+    opt = OPTIMIZERS[kind](model.parameters())
+    g = fxdebug.guard(opt)
+    for x in data[:2]:
+        model(x).square().mean().backward()
+        g.step()
+        g.zero_grad()
+    model(data[2]).square().mean().backward()
+    with RecordOps() as plain:
+        opt.step()  # what the optimizer does by itself (the state exists: no first-step ops)
+    with RecordOps() as guarded:
+        g.step()
+    extra = list((collections.Counter(guarded.ops) - collections.Counter(plain.ops)).elements())
+    n = sum(p.numel() for p in model.parameters())
+    big = sorted({name for name, size in extra if size >= n and name not in ("_fused_sgd_",
+                                                                             "_amp_foreach_non_finite_check_and_unscale_")})
+    assert big == [], f"{kind}: the guard passes over the parameters with {big}"
+    assert sum(1 for name, _ in extra if name == "_fused_sgd_") == 2  # the conditional copy, before and after
+
+
+def train_typed(kind: str, dtype: torch.dtype, data: list[torch.Tensor], *, guarded: bool,
+                skip: int | None = None) -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    opt = OPTIMIZERS[kind](model.parameters())
+    g = fxdebug.guard(opt) if guarded else opt
+    for i, x in enumerate(data):
+        if i == skip:
+            continue
+        before = snapshot(model, opt) if i == BAD and guarded else None
+        model(x.to(dtype)).square().mean().backward()
+        g.step()
+        g.zero_grad()
+        if before is not None:
+            assert_bitwise(before, snapshot(model, opt), f"{kind} {dtype}: after the bad step")
+    return model, opt
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("sgd", torch.bfloat16), ("sgd", torch.float16), ("sgd", torch.float64),
+                                           ("adam-foreach", torch.bfloat16), ("adam-foreach", torch.float64)])
+def test_other_dtypes_are_restored_bitwise(kind: str, dtype: torch.dtype) -> None:
+    """bfloat16/float16 take the copy-and-select path over 16-bit views; float64 the conditional copy."""
+    data = batches()
+    model, opt = train_typed(kind, dtype, data, guarded=True)
+    ref, ref_opt = train_typed(kind, dtype, data, guarded=False, skip=BAD)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert_bitwise(ref.state_dict(), model.state_dict(), f"{kind} {dtype}: weights")
+    assert_bitwise(ref_opt.state_dict()["state"], opt.state_dict()["state"], f"{kind} {dtype}: state")
+
+
+def test_without_the_conditional_copy_kernel_the_guard_copies_every_step_and_stays_exact(monkeypatch: Any) -> None:
+    guard_module = __import__("sys").modules["fxdebug.training.guard"]
+
+    def missing(*args: Any) -> None:
+        raise NotImplementedError("no _fused_sgd_ kernel for this device")
+
+    monkeypatch.setattr(guard_module, "_copy_if", missing)
+    data = batches()
+    model, g = train("adamw", data, guarded=True, check_bad=True)
+    assert g._plan is not None and not g._plan.copies and g._plan.saved[0]  # the fallback path ran
+    ref, ref_opt = train("adamw", data, guarded=False, skip=BAD)
+    assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
+    assert_bitwise(ref_opt.state_dict(), g.state_dict(), "optimizer state")
