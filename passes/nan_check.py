@@ -50,6 +50,7 @@ def has_nonfinite(r: Reductions) -> Tensor:
     return ~torch.isfinite(r.x).all()
 
 
+@functools.cache  # frozen declarations, shared by every probe (~1 KB per node when built per probe)
 def nonfinite_columns(counts: bool) -> tuple[Column, ...]:
     """What ``NaNCheck`` reports: calls that saw NaN/Inf (forward and grad) and the earliest one."""
     cols = (Column("nonfinite_calls", roles=NONFINITE, phase="both", format="d",
