@@ -91,8 +91,10 @@ def test_instrumented_outputs_equal_and_parameters_shared(case: Any) -> None:
     keys = list(model.state_dict())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     dbg = fxdebug.instrument(model, _passes(), example_inputs=inputs)
-    assert dbg.trace_info.frontend == "export"
-    assert any("symbolic tracing failed" in n for n in dbg.trace_info.notes)
+    frontend = dbg.trace_info.frontend  # instrument()'s "auto": the live capture, or the snapshot chain's export
+    assert frontend in ("dynamo", "export")
+    if frontend == "export":
+        assert any("symbolic tracing failed" in n for n in dbg.trace_info.notes)
     ref, out = model(**inputs), dbg(**inputs)
     assert type(out) is type(ref)  # the model's own ModelOutput class, rebuilt
     for key in ref.keys():
@@ -102,9 +104,9 @@ def test_instrumented_outputs_equal_and_parameters_shared(case: Any) -> None:
     assert all(p is own[k] for k, p in dbg.named_parameters() if k in own)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     report = dbg.report()
-    assert report.frontend == "export" and report.calls == 1
+    assert report.frontend == frontend and report.calls == 1
     # T5's relative position buckets take log(0) = -inf on purpose (then clamp); the rest are finite.
-    assert report.ok or (name == "t5" and report[report.first_nonfinite]["op"] == "aten.log.default")
+    assert report.ok or (name == "t5" and report[report.first_nonfinite]["op"] in ("aten.log.default", "torch.log"))
     assert any(r["module"].startswith(("encoder.", "decoder.", "transformer.", "model.", "layers.")) for r in report.rows)
 
 
@@ -136,7 +138,7 @@ def test_copy_and_save(case: Any, tmp_path: Any) -> None:
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
     assert torch.equal(_main(loaded(**inputs)), ref)
-    assert loaded.report().frontend == "export"
+    assert loaded.report().frontend == dbg.trace_info.frontend
 
 
 @pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz `dot` is not installed")
@@ -156,7 +158,7 @@ def test_export_capture_takes_other_batch_and_sequence_lengths():
     """Tiny BERT instrumented on (2, 16) token ids runs (3, 20) and (1, 5) too, bitwise, one report."""
     model, _, _ = bert()
     model.eval()
-    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": _ids(2, 16)})
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": _ids(2, 16)}, frontend="export")
     assert dbg.trace_info.frontend == "export"
     assert any("dynamic dimensions" in n and "input_ids[0, 1]" in n for n in dbg.trace_info.notes)
     with torch.no_grad():
@@ -172,8 +174,10 @@ def test_default_config_gpt2_is_captured_by_export_with_its_cache_and_generates(
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     ids = _ids(2, 8)
-    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": ids})
-    assert dbg.trace_info.frontend == "export"  # every op observed, not ~37% under subtrees
+    # export captures it whole (so the snapshot chain stops there: every op observed, not ~37% under subtrees);
+    # the test is about that capture, pinned whatever instrument()'s "auto" means
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"input_ids": ids}, frontend="export")
+    assert dbg.trace_info.frontend == "export"
     with torch.no_grad():
         want, got = model(input_ids=ids), dbg(input_ids=ids)
         assert torch.equal(got.logits, want.logits)
