@@ -36,6 +36,7 @@ from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult,
 __all__ = ["ParamUpdates"]
 
 WINDOW = 64  # steps in the running median
+_RINGS = ("history", "norms", "skipped_ring")  # (parameter, step) rings: read by history() / per_step()
 WARMUP = 3  # ratios needed before a step can be called a spike
 SPIKE = 10.0
 
@@ -59,6 +60,9 @@ def _columns() -> tuple[Column, ...]:
         Column("update_spike_step", roles=HIDDEN, doc="the optimizer step (0-based) of that jump"),
         Column("update_spike_ratio", roles=HIDDEN, doc="the update ratio at that step"),
         Column("param_updates", roles=HIDDEN, doc="each parameter's update_norm, update_ratio, update_spike by name"),
+        Column("update_skipped", roles=HIDDEN, doc="the last optimizer step was taken back by fxdebug.guard (update 0)"),
+        Column("history_updates", roles=HIDDEN,
+               doc="each recent step's update figures under its forward call (merged into Report.history)"),
     )
 
 
@@ -75,6 +79,8 @@ class UpdateTable:
         self._before: list[Tensor] = []
         self._had_grad: list[bool] = []
         self._weight_norms: list[Tensor] = []
+        self.call = -1  # the model's last forward call (set by the probes; host-side, no sync)
+        self.calls = [-1] * WINDOW  # per ring slot: the forward call whose gradients that step applied
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _fresh(self, device: torch.device) -> dict[str, Tensor]:
@@ -85,7 +91,11 @@ class UpdateTable:
                 "history": torch.full((n, WINDOW), nan, **f32), "spike": torch.zeros(n, **f32),
                 "spike_ratio": torch.zeros(n, **f32),
                 "spike_step": torch.full((n,), -1, dtype=torch.int64, device=device),
-                "step": torch.zeros((), dtype=torch.int64, device=device)}
+                "step": torch.zeros((), dtype=torch.int64, device=device),
+                "norms": torch.full((n, WINDOW), nan, **f32),  # each step's update norms (for the recorder's history)
+                "skipped_ring": torch.zeros(WINDOW, dtype=torch.bool, device=device),
+                "skipped": torch.zeros((), dtype=torch.bool, device=device),  # the last step was taken back
+                "skips": torch.zeros((), dtype=torch.int64, device=device)}
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -113,7 +123,15 @@ class UpdateTable:
             wn = torch.stack([n.to(device) for n in self._weight_norms])
             stepped = torch.tensor(self._had_grad, device=device) if device.type == "cpu" else \
                 torch.tensor(self._had_grad).to(device, non_blocking=True)
-            ratio = torch.where(stepped & (wn > 0), upd / wn, torch.full_like(upd, float("nan")))
+            # fxdebug.guard sets this on the optimizer for the step (1.0: the step is taken back, on
+            # the device): such a step changed nothing, whatever the parameters held at this hook
+            flag = getattr(optimizer, "fxdebug_skipped", None)
+            taken_back = (flag.to(device, non_blocking=True) > 0) if isinstance(flag, Tensor) else \
+                torch.zeros((), dtype=torch.bool, device=device)
+            applied = stepped & ~taken_back
+            zero = torch.zeros_like(upd)
+            upd = torch.where(applied, upd, zero)
+            ratio = torch.where(applied & (wn > 0), upd / wn, torch.full_like(upd, float("nan")))
             hist = s["history"]
             median = hist.nanmedian(dim=1).values
             enough = (~hist.isnan()).sum(1) >= WARMUP
@@ -123,17 +141,42 @@ class UpdateTable:
             s["spike"] = torch.where(higher, jump, s["spike"])
             s["spike_ratio"] = torch.where(higher, ratio, s["spike_ratio"])
             s["spike_step"] = torch.where(higher, s["step"], s["spike_step"])
-            s["norm"] = torch.where(stepped, upd, s["norm"])
-            s["ratio"] = torch.where(stepped, ratio, s["ratio"])
-            hist[:, self.steps % WINDOW] = ratio
+            s["norm"] = torch.where(stepped, upd, s["norm"])  # a step taken back: 0
+            s["ratio"] = torch.where(stepped, torch.where(taken_back, zero, ratio), s["ratio"])
+            slot = self.steps % WINDOW
+            hist[:, slot] = ratio  # NaN for a step taken back: outside the running median
+            s["norms"][:, slot] = torch.where(stepped, upd, torch.full_like(upd, float("nan")))
+            s["skipped_ring"][slot] = taken_back
+            s["skipped"].copy_(taken_back)
+            s["skips"].add_(taken_back.to(torch.int64))
             s["step"].add_(1)
+        self.calls[slot] = self.call
         self.steps += 1
 
     def host(self) -> dict[str, list[Any]] | None:
         """The table as Python lists (the one sync)."""
         if self._state is None or self._state["norm"].device.type == "meta":
             return None
-        return {k: v.cpu().tolist() for k, v in self._state.items() if k != "history"}
+        return {k: v.cpu().tolist() for k, v in self._state.items() if k not in _RINGS}
+
+    def per_step(self) -> list[tuple[int, int, list[float | None], list[float | None], bool]]:
+        """``[(step, forward call, update norms, update ratios, taken back), ...]`` of the steps in
+        the ring, oldest first (one read of the rings)."""
+        state = self._state
+        if state is None or not self.steps or state["norm"].device.type == "meta":
+            return []
+        norms, ratios, skipped = (state[k].cpu() for k in ("norms", "history", "skipped_ring"))
+        n = min(self.steps, WINDOW)
+        out = []
+        for step in range(self.steps - n, self.steps):
+            slot = step % WINDOW
+            out.append((step, self.calls[slot], [_num(v) for v in norms[:, slot].tolist()],
+                        [_num(v) for v in ratios[:, slot].tolist()], bool(skipped[slot])))
+        return out
+
+    def had_grad(self, i: int) -> bool:
+        """Whether parameter ``i`` had a gradient in the last step."""
+        return i < len(self._had_grad) and self._had_grad[i]
 
     def name(self, p: nn.Parameter) -> str:
         return self.names.get(id(p), f"param{self.index.get(id(p), '?')}")
@@ -158,6 +201,7 @@ class ParamUpdateProbe(Probe):
         return {}
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
+        self.table.call = ctx.call  # which forward call the next optimizer step follows (host int)
         return None  # the figures come from the optimizer's hooks, not from the activation
 
     def summary(self, state: dict[str, Any], phase: str) -> dict[str, Any]:
@@ -179,12 +223,40 @@ class ParamUpdateProbe(Probe):
                 sq_w += (norm / ratio) ** 2
             if spike > best[0]:
                 best = (spike, name, int(host["spike_step"][i]), host["spike_ratio"][i])
+        skipped = bool(host["skipped"])
+        for name, v in per.items():
+            v["update_skipped"] = skipped and self.table.had_grad(self.table.index[id(self.params[name])])
         if not per or all(v["update_norm"] is None for v in per.values()):
             return {"param_updates": per} if per else {}
         out: dict[str, Any] = {"update_norm": sq_upd ** 0.5, "update_ratio": (sq_upd / sq_w) ** 0.5 if sq_w else None,
-                               "update_spike": best[0], "param_updates": per}
+                               "update_spike": best[0], "param_updates": per, "update_skipped": skipped,
+                               "history_updates": self._per_call()}
         if best[1]:
             out.update(update_spike_param=best[1], update_spike_step=best[2], update_spike_ratio=best[3])
+        return out
+
+    def _per_call(self) -> list[tuple[int, dict[str, Any]]]:
+        """``[(forward call, figures), ...]``: each recent optimizer step's update of this node's
+        parameters, under the forward call whose gradients it applied — the flight recorder's
+        ``Report.history`` merges them into that call's entry for this node."""
+        out = []
+        for _step, call, norms, ratios, skipped in self.table.per_step():
+            if call < 0:
+                continue
+            per: dict[str, Any] = {}
+            sq_upd = sq_w = 0.0
+            for name, p in self.params.items():
+                i = self.table.index.get(id(p))
+                if i is None or norms[i] is None:
+                    continue
+                norm, ratio = norms[i], ratios[i]
+                per[name] = {"update_norm": norm, "update_ratio": ratio}
+                sq_upd += norm * norm
+                if ratio is not None and ratio > 0:
+                    sq_w += (norm / ratio) ** 2
+            if per:
+                out.append((call, {"update_norm": sq_upd ** 0.5, "update_ratio": (sq_upd / sq_w) ** 0.5 if sq_w else
+                                   (0.0 if skipped else None), "update_skipped": skipped, "param_updates": per}))
         return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ParamUpdateProbe":
@@ -232,7 +304,8 @@ class ParamUpdates(fxdebug.Pass):
             if host is not None:
                 row.update(update_norm=_num(host["norm"][i]), update_ratio=_num(host["ratio"][i]),
                            update_spike=host["spike"][i],
-                           update_spike_step=host["spike_step"][i] if host["spike"][i] > 0 else None)
+                           update_spike_step=host["spike_step"][i] if host["spike"][i] > 0 else None,
+                           update_skipped=bool(host["skipped"]) and self.table.had_grad(i))
             out.append(row)
         return out
 

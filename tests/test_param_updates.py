@@ -118,3 +118,62 @@ def test_history_keeps_each_parameters_recent_ratios_in_step_order() -> None:
     assert len(ratios) == 64  # the last 64 of 70 steps, oldest first: step 68 is second to last
     assert ratios[-2] == max(ratios) and ratios[-2] > 10 * ratios[-3]
     assert ratios[-1] == pytest.approx(watch.rows()[2]["update_ratio"])
+
+
+def test_each_steps_update_reaches_the_flight_recorders_history() -> None:
+    from fxdebug.passes import Recorder
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    watch = ParamUpdates(opt)
+    dbg = fxdebug.instrument(model, passes=[Recorder(history=4), watch], example_inputs=(data(1)[0],))
+    changes = []
+    for x in data(6):
+        before = [p.detach().clone() for p in model.fc2.parameters()]
+        step(dbg, opt, x)
+        changes.append(sum(float((p.detach() - b).norm()) ** 2 for p, b in zip(model.fc2.parameters(), before)) ** 0.5)
+    hist = dbg.report().history
+    assert hist.calls == [2, 3, 4, 5]  # the recorder's last 4 calls; each step follows its call
+    for call in hist.calls:
+        fc2 = hist.at(call).nodes["fc2"]
+        assert fc2["update_norm"] == pytest.approx(changes[call], rel=1e-5)
+        assert fc2["update_skipped"] is False and "mean" in fc2  # beside the recorder's own statistics
+        assert set(fc2["param_updates"]) == {"fc2.weight", "fc2.bias"}
+    assert "update_norm" not in hist.at(5).nodes.get("relu", {})  # only the nodes whose parameters moved
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw-fused"])
+@pytest.mark.parametrize("watch_inner", [False, True])
+def test_a_step_the_guard_took_back_shows_no_update(kind: str, watch_inner: bool) -> None:
+    from fxdebug.passes import Recorder
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = (torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9) if kind == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True))
+    g = fxdebug.guard(opt)
+    watch = ParamUpdates(opt if watch_inner else g)
+    dbg = fxdebug.instrument(model, passes=[Recorder(history=8), watch], example_inputs=(data(1)[0],))
+    xs = data(7)
+    xs[4] = xs[4].clone()
+    xs[4][1, 2] = float("nan")  # step 4 is taken back
+    for i, x in enumerate(xs):
+        dbg(x).square().mean().backward()
+        g.step()
+        g.zero_grad()
+        if i == 4:
+            rows = {r["param"]: r for r in watch.rows()}
+            assert all(r["update_norm"] == 0.0 and r["update_ratio"] == 0.0 and r["update_skipped"] for r in rows.values())
+            assert dbg.report()["fc1"]["update_skipped"] is True
+    assert int(g.skipped) == 1
+    rows = {r["param"]: r for r in watch.rows()}
+    assert all(r["update_norm"] > 0 and not r["update_skipped"] for r in rows.values())  # step 6 moved them again
+    assert all(r["update_spike"] < 10 for r in rows.values())  # the rejected update is no spike either
+    ratios = watch.history()["fc1.weight"]
+    assert ratios[4] is None and all(v is not None and v > 0 for i, v in enumerate(ratios) if i != 4)
+    hist = dbg.report().history
+    bad, good = hist.at(4).nodes["fc1"], hist.at(5).nodes["fc1"]
+    assert bad["update_skipped"] is True and bad["update_norm"] == 0.0
+    assert good["update_skipped"] is False and good["update_norm"] > 0
+    assert hist.at(4).nonfinite  # the recorder itself still shows the NaN call

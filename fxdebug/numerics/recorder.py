@@ -368,4 +368,10 @@ def history_of(rows: Sequence[dict[str, Any]]) -> History | None:
             per_call.setdefault(int(call), {})[r["node"]] = stats
     if not found:
         return None
+    for r in rows:  # other probes' figures per recorded call (``history_<name>``: [(call, {figure: value}), ...])
+        for key, extra in r.items():
+            if key.startswith("history_") and isinstance(extra, list):
+                for call, stats in extra:
+                    if int(call) in per_call and isinstance(stats, dict):
+                        per_call[int(call)].setdefault(r["node"], {}).update(stats)
     return History([CallRecord(c, per_call[c]) for c in sorted(per_call)])

@@ -192,10 +192,15 @@ class Guard(torch.optim.Optimizer):
         # as GradScaler.unscale_ does (same op, same inverse)
         unscale = scale.double().reciprocal().float() if scale is not None and not all(fused) else None
         bad = self._bad(params, device, scaler_inf, unscale)
-        if all(fused):
-            self._fused_step(params, bad, scale)
-        else:
-            self._restoring_step(params, bad, lambda: self.optimizer.step())
+        # for the optimizer's step hooks (ParamUpdates): 1.0 on the device when this step is taken back
+        setattr(self.optimizer, "fxdebug_skipped", bad)
+        try:
+            if all(fused):
+                self._fused_step(params, bad, scale)
+            else:
+                self._restoring_step(params, bad, lambda: self.optimizer.step())
+        finally:
+            delattr(self.optimizer, "fxdebug_skipped")
         self._count(bad)
         self.steps += 1
         return loss
