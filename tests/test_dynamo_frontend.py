@@ -400,3 +400,20 @@ def test_none_arguments_of_a_capturing_call_are_named_and_a_value_captures_again
     mask = x > 0
     assert torch.equal(dbg(x, mask=mask), model(x, mask=mask)) and torch.equal(dbg(x), model(x))
     assert len(dbg.parts()) == 2 and dbg.report().row("fc")["calls"] == 2
+
+
+def test_a_training_callback_routing_to_a_live_module_runs_the_root_hooks_once():
+    # the session routes model.forward to the live module, which calls the model (and its hooks) again
+    from fxdebug.integrations._session import Session
+
+    model, seen = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), []
+    model.register_forward_pre_hook(lambda m, i: seen.append("pre"))
+    model.register_forward_hook(lambda m, i, o: seen.append("post"))
+    session = Session(None, top_k=None, frontend="dynamo")
+    session.attach(model)
+    model(torch.randn(2, 4))
+    model(torch.randn(2, 4))
+    session.detach()
+    assert session.dbg.trace_info.frontend == "dynamo"
+    assert seen == ["pre", "post", "pre", "post"] and session.calls == 2
+    assert len(session.dbg.parts()) == 1  # one capture: the routed calls all see the hooks emptied

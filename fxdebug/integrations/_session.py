@@ -61,18 +61,20 @@ _ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwar
 @contextlib.contextmanager
 def _without_root_hooks(dbg: Any, model: Any) -> Iterator[None]:
     """The instrumented module shares the model's root hook dicts (so that a bare ``dbg(x)`` runs
-    them); routed from inside ``model.__call__``, they have already run: hide them for this call."""
+    them), and a live (Dynamo) one calls the model itself; routed from inside ``model.__call__``,
+    they have already run: empty them for this call. Emptied in place and refilled (the same dict
+    objects: Dynamo's hook guards see one state, an empty one, at every routed call)."""
     hidden = {}
     for name in _ROOT_HOOKS:
-        own = dbg.__dict__.get(name)
-        if own is not None and own is model.__dict__.get(name) and len(own):
-            hidden[name] = own
-            object.__setattr__(dbg, name, OrderedDict())
+        own = model.__dict__.get(name)
+        if own is not None and len(own):
+            hidden[name] = OrderedDict(own)
+            own.clear()
     try:
         yield
     finally:
         for name, hooks in hidden.items():
-            object.__setattr__(dbg, name, hooks)
+            model.__dict__[name].update(hooks)
 
 
 class Session:
@@ -127,7 +129,8 @@ class Session:
             if not model.training:
                 return model.forward(*args, **kwargs)
             if self.dbg is None:
-                self.dbg = self._instrument(model, args, kwargs)
+                with _without_root_hooks(None, model):  # a capture that runs the model: the hooks ran already
+                    self.dbg = self._instrument(model, args, kwargs)
             self.last_inputs = (args, kwargs)
             self.calls += 1
             with _without_root_hooks(self.dbg, model):
