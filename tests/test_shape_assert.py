@@ -35,10 +35,10 @@ def test_message_format_with_symbolic_batch_and_source_line():
     with pytest.raises(fxdebug.ShapeMismatchError) as info:
         dbg(torch.randn(5, 3, 6, 6))
     err = info.value
-    assert (err.node, err.module, err.op) == ("conv1", "conv1", "Conv2d")
+    assert (err.node, err.module) == ("conv1", "conv1") and err.op in ("Conv2d", "torch.conv2d")  # symbolic / Dynamo
     assert isinstance(err, ValueError)
     assert re.match(
-        r"node 'conv1' \(module conv1, Conv2d\) produced \(N, 4, 6, 6\); expected \(N, 4, 8, 8\)\. "
+        r"node 'conv1' \(module conv1, (Conv2d|torch\.conv2d)\) produced \(N, 4, 6, 6\); expected \(N, 4, 8, 8\)\. "
         r"Inputs: \(N, 3, 6, 6\)\. Defined at test_shape_assert\.py:\d+ `out = self\.conv1\(x\)`\.", str(err)), str(err)
 
 
@@ -46,7 +46,7 @@ def test_input_node_checked_first_and_names_its_user():
     model, inputs = ZOO["residual_cnn"]()
     dbg = fxdebug.instrument(model, [ShapeAssert()], example_inputs=inputs)
     with pytest.raises(fxdebug.ShapeMismatchError, match=r"node 'x' .* produced \(N, 1, 16, 16\); expected "
-                       r"\(N, 3, 16, 16\)\. It feeds node 'stem_0' \(module stem\.0, Conv2d\)"):
+                       r"\(N, 3, 16, 16\)\. It feeds node 'stem_0' \(module stem\.0, (Conv2d|torch\.conv2d)\)"):
         dbg(torch.randn(2, 1, 16, 16))
 
 
@@ -118,8 +118,9 @@ def test_matmul_and_cat_failures_name_node_and_every_input_shape():
 
 def test_without_example_inputs_the_pass_is_refused_before_it_runs():
     model, _ = ZOO["residual_cnn"]()
+    # a snapshot capture has no shapes without example inputs (the live one learns them at the first call)
     with pytest.raises(fxdebug.MissingInputsError, match="pass 'shape-assert' requires example inputs") as info:
-        fxdebug.instrument(model, [ShapeAssert()])
+        fxdebug.instrument(model, [ShapeAssert()], frontend="symbolic")
     assert info.value.pass_name == "shape-assert"
 
 
