@@ -9,9 +9,10 @@ host syncs) live in ``observe.py``.
 
 from __future__ import annotations
 
+from torch import nn
 from torch.fx import GraphModule, Node
 
-from fxdebug.graph.edits import add_module, insert_after
+from fxdebug.graph.edits import NAMESPACE, add_module
 from fxdebug.graph.meta import CLOCK, INSTRUMENTATION, KEY, is_instrumentation, module_path, node_meta, op_label
 from fxdebug.runtime.observer import Clock, Observer, Probe
 from fxdebug.runtime.lower import find_lowered, unlower
@@ -26,6 +27,7 @@ class Observation:
 
     def __init__(self) -> None:
         self._clock_nodes: dict[int, Node] = {}
+        self._clocks: dict[int, tuple[Node, Clock]] = {}
 
     def attach(self, node: Node, probe: Probe, pass_name: str | None = None) -> Node | None:
         """Attach ``probe`` to ``node``'s observer, creating the observer node if needed.
@@ -44,22 +46,29 @@ class Observation:
         if obs_node is None and lowered is not None:
             obs_node = unlower(gm, lowered)  # already lowered (re-instrumenting): back to its observer
         if obs_node is None:
-            observer = Observer(node.name, module_path(node), op_label(node), self.clock(gm, pass_name))
+            clock_node, clock = self._clock_pair(gm, pass_name)
+            observer = Observer(name, module_path(node), op_label(node), clock)
             # An input's observer runs after the clock, so every observation sees this call's tick.
-            after = self.clock_node(gm, pass_name) if node.op == "placeholder" else node
-            obs_node = insert_after(node, observer, (node,), hint=f"obs_{node.name}", after=after, pass_name=pass_name)
-            node_meta(obs_node).watch(INSTRUMENTATION, observes=node)
+            obs_node = _observer_node(gm, node, observer, clock_node if node.op == "placeholder" else node, pass_name)
         else:
-            found = gm.get_submodule(str(obs_node.target))
-            assert isinstance(found, Observer)
-            observer = found
+            observer = _observer_at(gm, str(obs_node.target))
         if not observer.add_probe(probe):
             return None
         if probe.wants_inputs and len(obs_node.args) == 1:
             tensor_inputs = [a for a in node.all_input_nodes if not is_instrumentation(a)]
             obs_node.args = (node, *tensor_inputs)
-        node_meta(obs_node).add_probe(probe.key)
+        obs_node.meta[KEY].setdefault("probes", []).append(probe.key)  # NodeMeta.add_probe, without the view
         return obs_node
+
+    def _clock_pair(self, gm: GraphModule, pass_name: str | None) -> tuple[Node, Clock]:
+        """The clock's node and module (the module looked up once per graph, not per observer)."""
+        node = self.clock_node(gm, pass_name)
+        cached = self._clocks.get(id(node))
+        if cached is None or cached[0] is not node:
+            clock = gm.get_submodule(str(node.target))
+            assert isinstance(clock, Clock)
+            cached = self._clocks[id(node)] = (node, clock)
+        return cached
 
     def clock(self, gm: GraphModule, pass_name: str | None = None) -> Clock:
         """The graph's forward-call clock, inserted once at the start of the graph."""
@@ -89,3 +98,52 @@ class Observation:
         meta.added_by = pass_name or "fxdebug"
         self._clock_nodes[id(gm.graph)] = node
         return node
+
+
+def _observer_at(gm: GraphModule, target: str) -> Observer:
+    """The observer a ``call_module`` target names: through the namespace's ``_modules`` (``get_submodule``
+    walks the instrumented module's attribute fallbacks: ~10 µs a call, once per probe per node)."""
+    space = gm._modules.get(NAMESPACE)
+    prefix = NAMESPACE + "."
+    found = space._modules.get(target[len(prefix):]) if space is not None and target.startswith(prefix) else None
+    if not isinstance(found, Observer):
+        found = gm.get_submodule(target)
+    assert isinstance(found, Observer)
+    return found
+
+
+def _observer_node(gm: GraphModule, node: Node, observer: Observer, after: Node, pass_name: str | None) -> Node:
+    """``observer(node)`` as a ``call_module`` node right after ``after``, with the metadata
+    ``graph.edits.insert_after`` and ``NodeMeta.watch`` give it, made directly: the module was
+    registered a line before, so ``Graph.call_module``'s lookup of it is skipped (one per node)."""
+    target = _register(gm, f"obs_{node.name}", observer)
+    new = gm.graph.create_node("call_module", target, (node,), {})
+    after.append(new)  # moved in place: no insert-point context per node
+    beside = node.meta.get(KEY, _NONE)
+    meta: dict[str, object] = {"module_type": "Observer", "module": module_path(node)}
+    if pass_name:
+        meta["added_by"] = pass_name
+    source = beside.get("source") or node.meta.get("stack_trace")
+    if source:
+        meta["source"] = source
+    meta["role"] = INSTRUMENTATION
+    meta["observes"] = node.name
+    new.meta[KEY] = meta
+    return new
+
+
+def _register(gm: GraphModule, hint: str, observer: Observer) -> str:
+    """``graph.edits.add_module`` for an observer: the same unique name under the namespace, written
+    into its ``_modules`` directly (``nn.Module.add_module`` probes the name with a failing getattr)."""
+    space = gm._modules.get(NAMESPACE)
+    if space is None or type(space) is not nn.Module:
+        return add_module(gm, hint, observer)
+    base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "m"
+    name, i = base, 1
+    modules, taken = space._modules, space.__dict__
+    while name in modules or name in taken or name in space._parameters or name in space._buffers \
+            or hasattr(nn.Module, name):
+        i += 1
+        name = f"{base}_{i}"
+    modules[name] = observer
+    return f"{NAMESPACE}.{name}"
