@@ -230,6 +230,7 @@ def test_model_moved_to_meta_after_instrument_gives_the_device_check_error():
         dbg(x)
     assert e.value.node == "_0"
     assert "input_1" in str(e.value)
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # not buried under Dynamo's fake-tensor error
 
 
 def test_param_grads_counts_the_first_backward_after_instrument():

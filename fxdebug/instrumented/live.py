@@ -133,9 +133,14 @@ class LiveInstrumented(Instrumented):
                     try:
                         out = self.__dict__["_compiled"](*args, **kwargs)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
-                        raise (self._guarded(args, kwargs) or _diagnosed(self._model, args, kwargs, exc)) from exc
+                        self._raise_typed(args, kwargs, exc)
+                        raise
         except FxDebugError:
             raise
+        except torch._dynamo.exc.TorchRuntimeError as exc:  # an op of the model failed (on fake tensors), untyped
+            if self.__dict__.get("_ran"):
+                raise
+            raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise _dynamo_failed(self._model, exc) from exc
         except Exception as exc:
@@ -146,6 +151,19 @@ class LiveInstrumented(Instrumented):
         if len(self.__dict__["_parts"]) > captured:  # this call captured: say which optional arguments were None
             _note_none_arguments(self._model, args, kwargs, self.trace_info.notes)
         return out
+
+    def _raise_typed(self, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> None:
+        """An op failed on Dynamo's fake tensors while it captured again: the typed error for it, if one is found.
+
+        A pass's guard error (``DeviceCheck``) stands alone (``from None``: no real op ran, Dynamo's fake-tensor
+        traceback would only bury it); a diagnosis by a symbolic capture keeps Dynamo's error as its cause.
+        """
+        guarded = self._guarded(args, kwargs)
+        if guarded is not None:
+            raise guarded from None
+        diagnosed = _diagnosed(self._model, args, kwargs, exc)
+        if diagnosed is not exc:
+            raise diagnosed from exc
 
     def _guarded(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FxDebugError | None:
         """The error a pass's run-time guard (``DeviceCheck``, ``ShapeAssert``) gives for these arguments.
@@ -192,7 +210,8 @@ class LiveInstrumented(Instrumented):
                     warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
                     return self.__dict__["_compiled"](*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
-                raise (self._guarded(args, kwargs) or _diagnosed(self._model, args, kwargs, exc)) from exc
+                self._raise_typed(args, kwargs, exc)
+                raise
             finally:
                 lifted.pop()
 
