@@ -13,7 +13,7 @@ from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 from fxdebug.runtime.kernel import observe_many_op, observe_op
 from fxdebug.runtime.slots import INDEX, K, init_table
 
-MAX_OPS = 22  # every aten op the dispatcher sees, views included (the old path issued 71-78)
+MAX_OPS = 19  # every aten op the dispatcher sees, views included (the old path issued 71-78, then 22)
 
 
 class _Ops(TorchDispatchMode):

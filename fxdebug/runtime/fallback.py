@@ -2,17 +2,20 @@
 
 Used for devices without a native kernel, on CPU when the C++ kernel could not be built, and
 everywhere with ``FXDEBUG_KERNEL=torch``. No host sync, and few ops per call (each op is a
-kernel launch on a GPU): one pass classifies every element (zero / finite / not NaN, by comparing
-``|x|`` with three thresholds at once), four reductions give the sums and extremes, and the whole
-16-slot row is folded in with one add, one min and one max against constant-shaped vectors:
+kernel launch on a GPU): one comparison classifies every element (zero / finite / not NaN, by
+comparing ``|x|`` with three thresholds shaped to broadcast against ``x``, so no reshape), one
+small matrix-vector product turns those three counts into the zero / NaN / Inf / non-finite
+counts, four reductions give the sums and extremes, and the whole 16-slot row is folded in with one add and
+one clamp against three per-call vectors stacked at once:
 
-    row' = max(min(row + D, lo_bounds), hi_bounds)
+    row' = clamp(row + D, min=HI, max=LO)
 
-where ``D`` holds the additive slots (calls, counts, sums, norm, bad calls), ``lo_bounds`` is
-``+inf`` except the min slot (this call's min) and the first-bad slot (this call's clock when it
-saw a NaN/Inf), and ``hi_bounds`` is ``-inf`` except the max slot. ``torch.minimum`` /
-``maximum`` propagate NaN, which is the kernel's rule (min/max read NaN once a NaN was seen).
-Sums accumulate in float64, so float32 values up to its range never overflow the statistics.
+where ``D`` holds the additive slots (calls, counts, sums, norm, bad calls; 0 elsewhere), ``LO``
+is ``+inf`` except the min slot (this call's min) and the first-bad slot (this call's clock when
+it saw a NaN/Inf), and ``HI`` is ``-inf`` except the max slot (this call's max). ``clamp``
+propagates NaN from the value and from either bound, which is the kernel's rule (min/max read
+NaN once a NaN was seen). Sums accumulate in float64, so float32 values up to its range never
+overflow the statistics. 19 aten ops per call, views included (``tests/test_torch_path.py``).
 """
 
 from __future__ import annotations
@@ -29,25 +32,23 @@ __all__ = ["observe_many_torch", "observe_torch"]
 
 _I = INDEX
 _F64 = torch.float64
-_CONST: dict[tuple[Any, ...], tuple[Tensor, ...]] = {}
-_ADD = tuple(_I[k] for k in ("calls", "stat_calls", "count", "sum", "sumsq", "abs", "zeros", "nan", "inf", "norm",
-                             "bad_calls", "chan_mismatch", "reserved"))
+_CONST: dict[tuple[Any, ...], tuple[Any, ...]] = {}
 
 
-def _const(device: torch.device, dtype: torch.dtype, n: int) -> tuple[Tensor, ...]:
-    """Made once per (device, dtype, element count): the thresholds ``[0, max finite, inf]``
-    (``|x| <= t`` classifies an element as zero / finite / not NaN), the masks of the additive and
-    the min-like slots, and the 0-d constants the per-call row is stacked from."""
-    key = (device, dtype, n)
+def _const(device: torch.device, dtype: torch.dtype, n: int, ndim: int) -> tuple[Any, ...]:
+    """Made once per (device, dtype, element count, dims): the thresholds ``[0, max finite, inf]``
+    shaped ``(3, 1, ..., 1)`` (``|x| <= t`` classifies an element as zero / finite / not NaN), the
+    dims to reduce, and the 0-d constants the per-call vectors are stacked from."""
+    key = (device, dtype, n, ndim)
     got = _CONST.get(key)
     if got is None:
-        thresholds = torch.tensor([0.0, torch.finfo(dtype).max, math.inf], dtype=dtype)
-        add = torch.zeros(K, dtype=torch.bool)
-        add[list(_ADD)] = True
-        mins = torch.zeros(K, dtype=torch.bool)
-        mins[[_I["min"], _I["first_bad"]]] = True
-        consts = torch.tensor([1.0, float(n), 0.0, math.inf], dtype=_F64)
-        got = (thresholds.to(device), add.to(device), mins.to(device), *consts.to(device).unbind())
+        thresholds = torch.tensor([0.0, torch.finfo(dtype).max, math.inf], dtype=dtype).view((3,) + (1,) * ndim)
+        # [zeros, finite, not NaN] -> [zeros, NaN, Inf, non-finite] = bias + mix @ counts (exact: small integers)
+        mix = torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0], [0.0, -1.0, 1.0], [0.0, -1.0, 0.0]], dtype=_F64)
+        bias = torch.tensor([0.0, float(n), 0.0, float(n)], dtype=_F64)
+        consts = torch.tensor([1.0, float(n), 0.0, math.inf, -math.inf], dtype=_F64)
+        got = (thresholds.to(device), tuple(range(1, ndim + 1)), mix.to(device), bias.to(device),
+               *consts.to(device).unbind())
         _CONST[key] = got
         if len(_CONST) > 4096:
             _CONST.clear()
@@ -55,7 +56,7 @@ def _const(device: torch.device, dtype: torch.dtype, n: int) -> tuple[Tensor, ..
 
 
 def observe_torch(x: Tensor, table: Tensor, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
-    """One call's statistics of ``x`` folded into row ``row`` of ``table`` (about 20 aten ops; no sync)."""
+    """One call's statistics of ``x`` folded into row ``row`` of ``table`` (19 aten ops; no sync)."""
     if table.device != x.device:
         raise RuntimeError(f"fxdebug::observe: the observed tensor is on {x.device} but the instrumentation state is "
                            f"on {table.device}; keep the model and its inputs on one device.")
@@ -64,19 +65,25 @@ def observe_torch(x: Tensor, table: Tensor, row: int, chan_off: int, channels: i
         table[base + _I["calls"]] += 1
         return
     n = x.numel()
-    thresholds, add, mins, one, cnt, zero, inf = _const(x.device, x.dtype, n)
-    a = x.abs()
-    zeros, finite, numeric = torch.le(a.reshape(-1, 1), thresholds).sum(0, dtype=_F64).unbind()
-    norm = torch.linalg.vector_norm(x, 2, dtype=_F64)
-    lo, hi = torch.aminmax(x)
-    bad = finite < n  # a NaN or an Inf in this call
-    # this call as a row, in the table's slot order (stack promotes to float64)
-    call = torch.stack([one, one, cnt, x.sum(dtype=_F64), norm * norm, a.sum(dtype=_F64), zeros, cnt - numeric,
-                        numeric - finite, lo, hi, norm, bad, torch.where(bad, table[0], inf), zero, zero])
+    flat = x if x.dim() else x.reshape(1)  # a 0-d tensor: one dim to reduce
+    thresholds, dims, mix, bias, one, cnt, zero, inf, ninf = _const(x.device, x.dtype, n, flat.dim())
+    a = flat.abs()
+    classes = torch.le(a, thresholds).sum(dims, dtype=_F64)  # zeros, finite, not NaN
+    zeros, nans, infs, nonfinite = torch.addmv(bias, mix, classes).unbind()
+    norm = torch.linalg.vector_norm(flat, 2, dtype=_F64)
+    lo, hi = torch.aminmax(flat)
+    bad = nonfinite > 0  # a NaN or an Inf in this call
+    # D (additive), LO (min-like bounds), HI (max-like bounds), in the table's slot order
+    # (stack promotes to float64)
+    d_lo_hi = torch.stack([
+        one, one, cnt, flat.sum(dtype=_F64), norm * norm, a.sum(dtype=_F64), zeros, nans, infs,
+        zero, zero, norm, bad, zero, zero, zero,
+        inf, inf, inf, inf, inf, inf, inf, inf, inf, lo, inf, inf, inf, torch.where(bad, table[0], inf), inf, inf,
+        ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf, ninf, hi, ninf, ninf, ninf, ninf, ninf,
+    ])
+    add, upper, lower = d_lo_hi.view(3, K).unbind()
     r = table[base: base + K]
-    # additive slots add; min and first-bad take the minimum, max the maximum (NaN propagates:
-    # the kernel's rule that min/max read NaN once a NaN was seen)
-    torch.where(add, r + call, torch.where(mins, torch.minimum(r, call), torch.maximum(r, call)), out=r)
+    torch.clamp(r + add, min=lower, max=upper, out=r)
     if channels > 0 and x.dim() >= 2:
         d = channel_dim % x.dim()
         if x.shape[d] != channels:
