@@ -19,6 +19,7 @@ the parts, so no caller needs to know which frontend made the module. The entry 
 from __future__ import annotations
 
 import copy
+import gc
 import time
 import warnings
 from collections import OrderedDict
@@ -109,7 +110,13 @@ class Instrumented(GraphModule):
         self.__dict__["_fxdebug_stale_code"] = False
         cls = type(self)
         own = vars(cls).get("forward")
-        code = GraphModule.recompile(self)
+        collecting = gc.isenabled()
+        gc.disable()  # code generation allocates per node and frees nothing: no collector sweeps meanwhile
+        try:
+            code = GraphModule.recompile(self)
+        finally:
+            if collecting:
+                gc.enable()
         cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
         if own is not None and own is not Instrumented._lazy_forward:
             cls.forward = own  # a subclass's own forward (the subtrees' eager root) stays
