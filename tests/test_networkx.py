@@ -32,7 +32,7 @@ def test_instrumented_nodes_carry_shapes_and_statistics():
     dbg(x)
     report = dbg.report()
     g = fxdebug.to_networkx(dbg)
-    observers = [n.name for n in dbg.graph.nodes if fxdebug.is_instrumentation(n)]
+    observers = [n.name for part in dbg.parts().values() for n in part.graph.nodes if fxdebug.is_instrumentation(n)]
     assert observers and not set(observers) & set(g.nodes)  # folded into the nodes they watch
     for row in report.rows:
         attrs = g.nodes[row["node"]]
@@ -58,6 +58,20 @@ def test_nan_origin_is_a_graph_attribute():
     g = fxdebug.to_networkx(dbg)
     assert g.graph["first_nonfinite"] == "log" and g.nodes["log"]["origin"]
     assert not g.nodes["add"]["origin"] and g.nodes["add"]["stats"]["nonfinite_calls"] == 1
+
+
+def test_a_live_module_gives_its_captured_graph():
+    """A Dynamo capture's own graph is empty: the DiGraph is its (largest) captured graph, with the report."""
+    model, (x,) = ZOO["residual_cnn"]()
+    dbg = fxdebug.instrument(model, [StatCollector()], frontend="dynamo")
+    with pytest.raises(fxdebug.UsageError, match="nothing captured yet"):
+        fxdebug.to_networkx(dbg)
+    dbg(x)
+    g = fxdebug.to_networkx(dbg)
+    assert {r["node"] for r in dbg.report().rows} <= set(g.nodes)
+    conv = g.nodes["layer1_0_conv1"]
+    assert conv["module"] == "layer1.0.conv1" and conv["stats"]["mean"] == dbg.report()["layer1_0_conv1"]["mean"]
+    assert nx.is_directed_acyclic_graph(g) and "layer1_0_bn1" in g.successors("layer1_0_conv1")
 
 
 def test_rejects_non_graph_modules():

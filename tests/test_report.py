@@ -19,7 +19,8 @@ DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "observe.md"
 
 def _report():
     model, (x,) = ZOO["control_flow"]()
-    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,))
+    # a report with an auto-leaf (gate) and its row: symbolic tracing's (Dynamo has no leaves; it sees gate's ops)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,), frontend="symbolic")
     dbg(x)
     bad = x.clone()
     bad[0, 0] = math.nan

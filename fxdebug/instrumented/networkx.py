@@ -10,7 +10,8 @@ from typing import Any
 
 from torch.fx import GraphModule
 
-from fxdebug.errors import ArgumentTypeError
+from fxdebug.errors import ArgumentTypeError, UsageError
+from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.render.view import build_view
 
@@ -29,7 +30,8 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
     ``model_type``, ``first_nonfinite``, ``first_nonfinite_grad``.
 
     ``report`` defaults to ``gm.report()`` for an instrumented module with observers;
-    ``instrumentation=True`` keeps fxdebug's observer nodes as nodes of their own.
+    ``instrumentation=True`` keeps fxdebug's observer nodes as nodes of their own. A live (Dynamo)
+    module gives its largest captured graph, as ``render()`` draws it, with the report over every capture.
     """
     try:
         import networkx as nx
@@ -39,6 +41,12 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
         raise ArgumentTypeError(f"to_networkx() needs a torch.fx.GraphModule (e.g. from fxdebug.trace); got {type(gm).__name__}.")
     if report is None and isinstance(gm, Instrumented) and gm.observers():
         report = gm.report()
+    if isinstance(gm, LiveInstrumented):  # its own graph is empty: the graphs are its captures
+        parts = list(gm.parts().values())
+        if not parts:
+            raise UsageError("to_networkx(): nothing captured yet: call the module once (or instrument it with "
+                             "example_inputs) first.")
+        gm = max(parts, key=lambda p: len(p.graph.nodes))
     view = build_view(gm, report, show_instrumentation=instrumentation)
     graph = nx.DiGraph(model_type=view.model_type, first_nonfinite=view.first_nonfinite,
                        first_nonfinite_grad=view.first_nonfinite_grad)
