@@ -284,3 +284,19 @@ def test_a_users_fused_probe_shares_the_one_read():
         ref = model(x)
     assert row["l1_mean"] == pytest.approx(float(ref.abs().double().mean()), rel=1e-6)
     assert row["l1_mean"] == pytest.approx(row["mean_abs"])
+
+
+def test_the_clock_advances_through_one_cached_view():
+    from fxdebug.runtime.observer import Clock
+
+    model, (x,) = ZOO["transformer_block"]()
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,))
+    clock = next(m for m in dbg.modules() if isinstance(m, Clock))
+    with torch.no_grad():
+        dbg(x)
+        cached = clock._tick
+        dbg(x)
+    # the table is a view of a 2-D tensor: a test on ``view._base`` never matched, so a new view
+    # (and an nn.Module setattr) was made on every call
+    assert cached is not None and clock._tick is cached
+    assert clock.table is not None and int(clock.table[0]) == clock.calls - 1

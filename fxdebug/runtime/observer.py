@@ -195,7 +195,7 @@ class Clock(nn.Module):
         self.spans: list[tuple[int, int]] = []  # (first index, count) of each node's channel slots
         self.table: Tensor | None = None
         self._host: list[float] | None = None  # host copy while a report is read
-        self._tick: Tensor | None = None  # view of the table's clock slot (eager fast path)
+        self._tick: tuple[Tensor, Tensor] | None = None  # (table, view of its clock slot): the eager fast path
 
     @property
     def calls(self) -> int:
@@ -278,10 +278,10 @@ class Clock(nn.Module):
                 if torch.compiler.is_compiling():
                     table[0] += 1
                 else:  # one in-place add on a cached view of slot 0 (indexing would cost four dispatches)
-                    tick = self._tick
-                    if tick is None or tick._base is not table:
-                        tick = self._tick = table.narrow(0, 0, 1)
-                    tick.add_(1)
+                    cached = self._tick
+                    if cached is None or cached[0] is not table:  # identity: no view made, no nn.Module setattr per call
+                        cached = self.__dict__["_tick"] = (table, table.narrow(0, 0, 1))
+                    cached[1].add_(1)
             return table
 
     def reset(self) -> None:
