@@ -418,3 +418,28 @@ def test_a_training_callback_routing_to_a_live_module_runs_the_root_hooks_once()
     assert session.dbg.trace_info.frontend == "dynamo"
     assert seen == ["pre", "post", "pre", "post"] and session.calls == 2
     assert len(session.dbg.parts()) == 1  # one capture: the routed calls all see the hooks emptied
+
+
+def test_a_forward_wrapped_by_an_args_decorator_keeps_module_paths_and_input_names():
+    # Hugging Face wraps Llama's forward in `def wrapper(*args, **kwargs)`: Dynamo's frame is the wrapper, the
+    # module is L['args'][0]; rows said "0.fc1" and the weights were observed as anonymous input placeholders
+    import functools
+
+    def wrapped(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    class Wrapped(MLP):
+        @wrapped
+        def forward(self, x, scale=None):
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    model, x = Wrapped(), torch.randn(2, 4)
+    dbg = _dbg(model, x)
+    dbg(x)
+    rows = dbg.report().rows
+    assert [(r["node"], r["module"]) for r in rows] == [("x", ""), ("fc1", "fc1"), ("relu", ""), ("fc2", "fc2")]
+    (part,) = dbg.parts().values()
+    assert {"fc1.weight", "fc2.bias"} <= {str(n.target) for n in part.graph.nodes if n.op == "get_attr"}

@@ -151,7 +151,9 @@ class dynamo_config:  # noqa: N801 - used as a context manager, like torch's con
 
 
 # -- stable names ----------------------------------------------------------------------------------
-_STATE = re.compile(r"^L\['(\w+)'\]((?:\._modules\['[^']+'\])*)\.(_parameters|_buffers)\['([^']+)'\]$")
+# the frame's self is ``L['self']`` (any name), or ``L['args'][0]`` when forward is wrapped by a ``def wrapper(*args,
+# **kwargs)`` decorator (Hugging Face's ``check_model_inputs`` / ``can_return_tuple`` on Llama and others)
+_STATE = re.compile(r"^L\['(\w+)'\](?:\[0\])?((?:\._modules\['[^']+'\])*)\.(_parameters|_buffers)\['([^']+)'\]$")
 _CHILD = re.compile(r"\._modules\['([^']+)'\]")
 _LOCAL_NAME = re.compile(r"^L\['(\w+)'\]$")
 
@@ -173,16 +175,17 @@ def state_name(source: str) -> tuple[str, str, str] | None:
     return path, m.group(4), "parameter" if m.group(3) == "_parameters" else "buffer"
 
 
+_SELF_IN_ARGS = re.compile(r"^L\['args'\]\[0\]\._(modules|parameters|buffers)\[")
 _ITEM = re.compile(r"^L\['(\w+)'\]\[(?:(\d+)|'(\w+)')\]$")
 
 
-def _input_name(source: str, model: Any = None) -> str | None:
+def _input_name(source: str, model: Any = None, shift: int = 0) -> str | None:
     """The user's name for an input placeholder: the forward's parameter name.
 
     ``L['x']`` is ``x``. A module whose ``forward`` Dynamo enters through torch's wrapper (an
     ``nn.Sequential``, for one) hands its inputs over as ``L['args'][i]`` / ``L['kwargs']['k']``:
     the i-th positional parameter of the model's ``forward``, or ``k``. Items of ``*rest`` are
-    ``rest_0``, ``rest_1``, ...
+    ``rest_0``, ``rest_1``, ... ``shift``: 1 when ``L['args'][0]`` is the module itself (a wrapped forward).
     """
     m = _LOCAL_NAME.match(source)
     if m:
@@ -199,15 +202,16 @@ def _input_name(source: str, model: Any = None) -> str | None:
         except (TypeError, ValueError):
             params = []
         positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if int(index) < len(positional):
-            return positional[int(index)]
+        at = int(index) - shift
+        if 0 <= at < len(positional):
+            return positional[at]
         var = [p.name for p in params if p.kind == p.VAR_POSITIONAL]
-        if var:
-            return f"{var[0]}_{int(index) - len(positional)}"
+        if var and at >= 0:
+            return f"{var[0]}_{at - len(positional)}"
     return f"{container}_{index}"
 
 
-_ROOT = re.compile(r"^L\['\w+'\]\.?|^L__\w+?___?")
+_ROOT = re.compile(r"^L\['args'\]\[0\]\.?|^L\['\w+'\]\.?|^L__\w+?___?")
 
 
 def clean_path(path: str) -> str:
@@ -302,6 +306,8 @@ def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: 
     constants: dict[str, Any] = {}
     counts: dict[str, int] = {}
     sources = list(graph.sources)
+    # a wrapped forward: args[0] is self (its state is read through it; not a size of an input, L['args'][0].size())
+    shift = 1 if any(_SELF_IN_ARGS.match(src) for src in sources) else 0
     index = -1
 
     def arg(a: Any) -> Any:
@@ -321,7 +327,7 @@ def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: 
                 fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind, dynamo_arg=index)
             else:
                 keep.append(index)
-                out = new.placeholder(_safe(_input_name(source, model) or node.name))
+                out = new.placeholder(_safe(_input_name(source, model, shift) or node.name))
                 out.meta.update(meta)
                 fx_meta(out)["module"] = ""
             env[node] = out
