@@ -51,8 +51,11 @@ def float_outputs(y):
 def _insert(dbg: fxdebug.Instrumented, node, fn, *, include_observer: bool):
     with dbg.graph.inserting_after(node):
         new = dbg.graph.call_function(fn, (node,))
-    node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and (
-        include_observer or fxdebug.fx_meta(u).get("observes") != node.name))
+    def watches(u) -> bool:  # an observation of `node`: its own op call, or a batched call holding it
+        meta = fxdebug.fx_meta(u)
+        return meta.get("observes") == node.name or any(o == node.name for o, _ in meta.get("batch", ()))
+
+    node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and (include_observer or not watches(u)))
     dbg.recompile()
     return new
 

@@ -52,7 +52,7 @@ def _python_calls(fn) -> int:
 def test_backward_runs_no_python_per_observed_node():
     model, (x,) = ZOO["residual_cnn"]()
     dbg = fxdebug.instrument(model, PASSES(), example_inputs=(x,), frontend="symbolic")
-    assert len(_taps(dbg)) >= 10
+    assert sum(len(n.args[0]) if isinstance(n.args[0], list) else 1 for n in _taps(dbg)) >= 10
     plain_loss, inst_loss = model(x).sum(), dbg(x).sum()
     plain = _python_calls(plain_loss.backward)
     inst = _python_calls(inst_loss.backward)
@@ -64,6 +64,9 @@ def test_backward_runs_no_python_per_observed_node():
 
 def _with_python_hooks(dbg: nn.Module) -> nn.Module:
     """The same instrumented graph with the previous tap: a Python tensor hook per node."""
+    for node in _taps(dbg):
+        if node.target is torch.ops.fxdebug.observe_grad_many.default:
+            lower.unbatch(dbg, node)
     for node in _taps(dbg):
         node.target = lower.observe_grad
     dbg.recompile()
@@ -194,3 +197,30 @@ def test_compiled_training_step_observes_gradients_like_eager():
     rows = [r for r in compiled_dbg.report().rows if r.get("grad_calls")]
     assert rows and all(r["grad_calls"] == 2 for r in rows)
     assert _grad_rows(compiled_dbg.report()) == _grad_rows(eager.report())
+
+
+class _GradAbs(fxdebug.FusedProbe):
+    key = "grad-abs"
+    grads = True
+    columns = (fxdebug.Column("l1_mean", phase="both"),)
+
+    def summary_from(self, stats, phase):
+        return {"l1_mean": stats.abs / stats.count if stats.count else None}
+
+
+@fxdebug.graph_pass(name="grad-abs", observe_only=True)
+def _grad_abs(gm, ctx):
+    return fxdebug.PassResult(gm, added=[ctx.observe(n, _GradAbs()) for n in ctx.nodes(gm, float_outputs=True)])
+
+
+def test_taps_of_small_tensors_are_batched_and_split_when_reinstrumented():
+    model, (x,) = ZOO["transformer_block"]()
+    dbg = fxdebug.instrument(model, PASSES(), example_inputs=(x,), frontend="symbolic")
+    many = [n for n in _taps(dbg) if n.target is torch.ops.fxdebug.observe_grad_many.default]
+    assert many and all(len(n.args[0]) >= 2 for n in many)  # one call registers several hooks
+    again = fxdebug.instrument(dbg, [_grad_abs], example_inputs=(x,), frontend="symbolic")
+    again.reset()
+    again(x).sum().backward()
+    rows = [r for r in again.report().rows if r.get("grad_calls")]
+    assert rows and all(r["grad_calls"] == 1 for r in rows)  # each gradient observed once after the re-lowering
+    assert all(r["grad_l1_mean"] == pytest.approx(r["grad_mean_abs"]) for r in rows)

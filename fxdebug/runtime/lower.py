@@ -26,7 +26,7 @@ from torch.fx import GraphModule, Node
 from fxdebug.graph.edits import NAMESPACE as _NAMESPACE
 from fxdebug.graph.meta import KEY as _KEY, fx_meta
 from fxdebug.runtime.observer import Clock, GradHookable, Observer
-from fxdebug.runtime.kernel import load, observe_grad_op, observe_many_op, observe_op
+from fxdebug.runtime.kernel import load, observe_grad_many_op, observe_grad_op, observe_many_op, observe_op
 
 __all__ = ["GradTap", "batch_observations", "find_lowered", "is_lowered", "lower_observers", "observe_grad",
            "observer_of", "observers_in", "unbatch", "unlower"]
@@ -112,7 +112,7 @@ def lower_observers(gm: GraphModule) -> int:
     children = space._modules if space is not None else {}
     lowered = 0
     device: str | None = None
-    pending: list[tuple[Node, Node, tuple[int, int, int, int], str]] = []  # (observer node, x, rows, target)
+    pending: list[tuple[Node, Node, tuple[int, int, int, int], str, Node | None]] = []  # (observer node, x, rows, target, tap)
     barriers: dict[str, bool] = {}  # call_module target -> is a barrier (one lookup per module)
     ops: tuple[Any, Any] | None = None
     if any(is_lowered(n) for n in graph.nodes if n.op == "call_function"):  # lowered before: the ops exist
@@ -122,7 +122,7 @@ def lower_observers(gm: GraphModule) -> int:
     def flush() -> None:
         assert ops is not None
         if len(pending) == 1:
-            node, x, rows, target = pending[0]
+            node, x, rows, target, _ = pending[0]
             _to_op_call(node, ops[0], x, clock_node, rows, target)
         elif pending:
             last = pending[-1][0]
@@ -136,6 +136,9 @@ def lower_observers(gm: GraphModule) -> int:
             last.args, last.kwargs = (xs, clock_node, args), {}
             last.meta = {_KEY: {"role": "instrumentation", "observes": members[0][0], "batch": members,
                                 "added_by": added_by}}
+            taps = [p[4] for p in pending if p[4] is not None]
+            if len(taps) >= 2:
+                _batch_taps(graph, taps, clock_node)
         pending.clear()
 
     for node in list(graph.nodes):
@@ -150,7 +153,7 @@ def lower_observers(gm: GraphModule) -> int:
         elif node.op == "call_function" and ops is not None and node.target is ops[0] and isinstance(node.args[0], Node) \
                 and fx_meta(node).get("phase") == "forward" and "observer" in fx_meta(node) and _small(node.args[0]):
             # lowered before (instrumenting an instrumented module): joins the run as it is
-            pending.append((node, node.args[0], node.args[2:6], fx_meta(node)["observer"]))  # type: ignore[arg-type]
+            pending.append((node, node.args[0], node.args[2:6], fx_meta(node)["observer"], None))  # type: ignore[arg-type]
             if len(pending) == BATCH_MAX:
                 flush()
             continue
@@ -172,13 +175,14 @@ def lower_observers(gm: GraphModule) -> int:
             ops = (observe_op(), observe_many_op())
         target = str(node.target)
         rows = obs.fused_rows["forward"]
-        if "grad" in obs.fused_rows:  # a gradient tap right after the observer's node
+        tap = None
+        if "grad" in obs.fused_rows:  # a gradient tap right after the observer's node (batched with the run's)
             with graph.inserting_after(node):
                 tap = graph.call_function(observe_grad_op(), (x, clock_node, *obs.fused_rows["grad"]))
             tap.meta.update({k: v for k, v in node.meta.items() if k != _KEY})
             fx_meta(tap).update(fx_meta(node), observer=target, phase="grad")
         if _small(x):
-            pending.append((node, x, rows, target))
+            pending.append((node, x, rows, target, tap))
             if len(pending) == BATCH_MAX:
                 flush()
         else:
@@ -200,6 +204,20 @@ def _to_op_call(node: Node, op: Any, x: Node, clock_node: Node, rows: tuple[int,
     node.args, node.kwargs = (x, clock_node, *rows), {}
     meta = fx_meta(node)
     meta["observer"], meta["phase"] = target, "forward"
+
+
+def _batch_taps(graph: torch.fx.Graph, taps: list[Node], clock_node: Node) -> None:
+    """The gradient taps of one run of small observations as one ``observe_grad_many`` call where
+    the last tap was (after the run's forward call, before the barrier that ended the run): the
+    hooks are registered before anything can write into the tensors, as each tap did."""
+    members = [(fx_meta(t)["observes"], fx_meta(t)["observer"]) for t in taps]
+    with graph.inserting_after(taps[-1]):
+        many = graph.call_function(observe_grad_many_op(), ([t.args[0] for t in taps], clock_node,
+                                                            [a for t in taps for a in t.args[2:6]]))
+    fx_meta(many).update(role="instrumentation", observes=members[0][0], batch=members, phase="grad",
+                         added_by=fx_meta(taps[0]).get("added_by"))
+    for t in taps:
+        graph.erase_node(t)
 
 
 def _barrier_cached(node: Node, gm: GraphModule, cache: dict[str, bool]) -> bool:
@@ -289,13 +307,15 @@ def batch_observations(gm: GraphModule, clock_node: Node) -> int:
 
 
 def unbatch(gm: GraphModule, batch: Node) -> None:
-    """Split a batched call back into one lowered op call per observed node."""
+    """Split a batched call (forward observations or gradient taps) back into one lowered op call per observed node."""
     members = fx_meta(batch)["batch"]
     xs, clock_node, args = batch.args
+    phase = "grad" if fx_meta(batch).get("phase") == "grad" else "forward"
+    op = observe_grad_op() if phase == "grad" else observe_op()
     for i, ((observed, target), x) in enumerate(zip(members, xs)):  # type: ignore[arg-type]
         with gm.graph.inserting_before(batch):
-            new = gm.graph.call_function(observe_op(), (x, clock_node, *args[4 * i: 4 * i + 4]))  # type: ignore[index, misc]
-        fx_meta(new).update(role="instrumentation", observes=observed, observer=target, phase="forward")
+            new = gm.graph.call_function(op, (x, clock_node, *args[4 * i: 4 * i + 4]))  # type: ignore[index, misc]
+        fx_meta(new).update(role="instrumentation", observes=observed, observer=target, phase=phase)
     gm.graph.erase_node(batch)
 
 
@@ -305,8 +325,7 @@ def find_lowered(node: Node) -> Node | None:
     for u in list(node.users):
         meta = fx_meta(u)
         if "batch" in meta and any(o == node.name for o, _ in meta["batch"]) and gm is not None:
-            unbatch(gm, u)
-            break
+            unbatch(gm, u)  # the forward batch and the gradient taps' batch, where both hold it
     return next((u for u in node.users if fx_meta(u).get("observes") == node.name and is_lowered(u)), None)
 
 
