@@ -231,8 +231,9 @@ class Guard(torch.optim.Optimizer):
                 flags.append(watched)
         if not flags:
             return torch.zeros((), dtype=torch.float32, device=device)
-        bad = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-        return (bad > 0).to(torch.float32)
+        if len(flags) == 1 and scaler_inf is None:
+            return flags[0]  # the check's own flag (or the watched nodes'): already exactly 0.0 or 1.0
+        return (torch.stack(flags).amax() > 0).to(torch.float32)  # a scaler's found_inf sums over devices
 
     def _ones(self, device: torch.device) -> Tensor:
         ones = self.__dict__.setdefault("_one", {})
