@@ -443,3 +443,38 @@ def test_a_forward_wrapped_by_an_args_decorator_keeps_module_paths_and_input_nam
     assert [(r["node"], r["module"]) for r in rows] == [("x", ""), ("fc1", "fc1"), ("relu", ""), ("fc2", "fc2")]
     (part,) = dbg.parts().values()
     assert {"fc1.weight", "fc2.bias"} <= {str(n.target) for n in part.graph.nodes if n.op == "get_attr"}
+
+
+def _conv_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 5)).eval()
+
+
+def test_torch_compile_over_a_live_module_leaves_the_capture_to_it():
+    # the outer Dynamo traced into the live module's own Python and compiled ~40 small frames of fxdebug
+    import torch._dynamo
+
+    model, x = _conv_model(), torch.randn(2, 3, 8, 8)
+    dbg = _dbg(model, x)
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(dbg, backend="eager")
+    with torch.no_grad():
+        for _ in range(5):
+            out = compiled(x)
+    assert torch.equal(out, model(x))
+    assert torch._dynamo.utils.counters["frames"]["total"] <= 3  # the inner capture (a no_grad recompile) only
+    report = dbg.report()
+    assert report.calls == 5 and report.row("_2")["calls"] == 5
+
+
+def test_a_capture_that_did_not_run_since_reset_does_not_blur_merged_rows():
+    # instrument's quiet call captured with grad on; the user's no_grad calls run a recompile. The first graph's
+    # rows (0 calls since reset) merged with the second's made dead_frac "unknown" (None) with a note
+    model, x = _conv_model(), torch.randn(2, 3, 8, 8)
+    dbg = _dbg(model, x)
+    with torch.no_grad():
+        dbg(x)
+    report = dbg.report()
+    assert len(dbg.parts()) == 2
+    assert report.row("_2")["dead_frac"] is not None
+    assert not any("could not tell" in n for n in report.notes)

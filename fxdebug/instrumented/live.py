@@ -108,8 +108,8 @@ class LiveInstrumented(Instrumented):
 
     def recompile(self) -> Any:
         code = GraphModule_recompile(self)
-        type(self).__call__ = LiveInstrumented._live_call  # type: ignore[method-assign]
-        type(self).forward = LiveInstrumented._live_call
+        type(self).__call__ = _LIVE_CALL  # type: ignore[method-assign]
+        type(self).forward = _LIVE_CALL
         return code
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -338,6 +338,9 @@ class LiveInstrumented(Instrumented):
         rows = []
         merge_notes: list[str] = []
         for name, found in by_name.items():  # one row per node identity: its captures merged like ranks
+            # a capture that never ran this node since the last reset (the quiet capture call's graph, a no_grad
+            # recompile that took over) adds nothing: its zeros and unknowns would only blur the merge
+            found = [f for f in found if f[0].get("calls")] or found[:1]
             if len(found) == 1:
                 rows.append(found[0][0])
                 continue
@@ -409,6 +412,12 @@ class LiveInstrumented(Instrumented):
                  for n in self._summary_notes() if n not in self.trace_info.notes]
         state = {"saved": saved, "calls": self.__dict__["_calls"], "namer": self.__dict__["_namer"], "notes": notes}
         return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes), state))
+
+
+# Under an outer torch.compile(dbg), Dynamo would trace into the live module's own Python (its contexts, the
+# session stack) and compile dozens of small frames; the call is the live module's own Dynamo capture: skipped
+# by the outer one, which runs it as it is (the inner capture instruments and observes every graph).
+_LIVE_CALL = torch._dynamo.disable(LiveInstrumented._live_call)
 
 
 @dataclass
