@@ -20,6 +20,7 @@ when asked); ``g.skipped_steps`` lists them, with the node that made the NaN whe
 from __future__ import annotations
 
 import operator
+from itertools import chain, repeat
 from typing import Any, Callable, Iterator
 
 import torch
@@ -423,16 +424,15 @@ def _iter_params(opt: torch.optim.Optimizer) -> Iterator[Tensor]:
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _live(state: Any, params: list[Tensor], params_too: bool) -> list[Tensor]:
-    """What a step may change, in a fixed order: each parameter (``params_too``), then its state tensors."""
-    out: list[Tensor] = []
-    for p in params:
-        if params_too:
-            out.append(p)
-        st = state.get(p)
-        if st:
-            out.extend(v for v in st.values() if isinstance(v, Tensor))
-    return out
+def _live(state: Any, params: list[Tensor], params_too: bool) -> list[Any]:
+    """What a step may change, in a fixed order: the parameters (``params_too``), then every value of
+    their state entries (tensors and anything else: a value replaced or added changes the list).
+    Built by C-level iteration: no Python per tensor."""
+    values = list(chain.from_iterable(map(dict.values, map(state.get, params, repeat(_NO_STATE)))))
+    return [*params, *values] if params_too else values
+
+
+_NO_STATE: dict[str, Any] = {}
 
 
 class _Plan:
@@ -440,8 +440,9 @@ class _Plan:
     step): their copies, and how each group is copied (see ``Guard._restoring_step``)."""
 
     def __init__(self, owner: Guard, state: Any, live: list[Tensor], params: list[Tensor], params_too: bool) -> None:
-        self.live, self.params, self.params_too = live, params, params_too
+        self.live, self.params, self.params_too = live, params, params_too  # (the identity to match)
         self.keys = {id(p): set(state.get(p, {})) for p in params}
+        live = [t for t in live if isinstance(t, Tensor)]
         backs = {id(t): owner._buffer(t) for t in live}
         self.held = [(p, k, v, backs[id(v)]) for p in params for k, v in state.get(p, {}).items() if isinstance(v, Tensor)]
         # conditional copies: (device, tensors, copies, scratch views for the kernel's unused "param" output)
@@ -489,7 +490,7 @@ class _Plan:
         self._skip = 1.0 - bad  # found_inf of the conditional copies: 1.0 (return at once) on a good step
         for i, (dev, ts, bs, scratch) in enumerate(list(self.copies)):
             try:
-                _copy_if(bs, ts, scratch, self._skip.to(dev, non_blocking=True))
+                _copy_if(bs, ts, scratch, _on(self._skip, dev))
             except (RuntimeError, NotImplementedError):  # a torch build or device without the kernel: copy always
                 self.copies.remove((dev, ts, bs, scratch))
                 self._select(list(zip(ts, bs)))
@@ -499,7 +500,7 @@ class _Plan:
     def restore(self, bad: Tensor) -> None:
         """After the step: what it changed back from the copies, when ``bad`` (0.0 or 1.0 on the device)."""
         for dev, ts, bs, scratch in self.copies:
-            _copy_if(ts, bs, scratch, self._skip.to(dev, non_blocking=True))
+            _copy_if(ts, bs, scratch, _on(self._skip, dev))
         for dev, bits, ts, bs in self.groups:
             take = bad.to(dev, non_blocking=True).to(bits)
             torch._foreach_mul_(ts, 1 - take)
@@ -508,6 +509,10 @@ class _Plan:
         for t, b in self.other:
             keep = (bad > 0) if keep is None else keep
             torch.where(keep.to(t.device), b, t, out=t)
+
+
+def _on(t: Tensor, device: torch.device) -> Tensor:
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def _copies_on_device(t: Tensor) -> bool:
