@@ -454,20 +454,21 @@ class Observer(nn.Module):
 
     # nn.Module.__init__ gives every module fifteen containers of its own (parameters, buffers,
     # children, hook tables: ~1.8 KB). An observer holds none of them and there is one per watched
-    # node, so each is made on first use (``_Made``, below the class).
+    # node, so each is made on first use (``_Made``, below the class), as are the states of Python
+    # probes; the plain values start as class defaults (a smaller instance dict).
     _is_full_backward_hook = None
+    training = True
+    _grads = False
+    _channel_dim = None
+    _calls = 0
 
     def __init__(self, node_name: str, module_path: str, op: str, clock: Clock | None = None) -> None:
         # Not nn.Module.__init__ (see above); plain values set directly (nn.Module.__setattr__
         # costs ~10 µs each, and a 10k-node graph makes 10k observers).
+        # (``states``: (key, phase) -> state dict, ``_devices``: where each state lives; made on first use)
         self.__dict__.update(
-            training=True,
             node_name=node_name, module_path=module_path, op=op,
             probes={},  # key -> Probe
-            _grads=False, _channel_dim=None,
-            states={},  # (key, phase) -> state dict
-            _devices={},  # where each state lives (cheap check)
-            _calls=0,
             fused_rows={},  # phase -> (row, first channel slot, channels, channel dim); set by lowering
             _clock=clock,  # shared, not a child: one clock per graph
         )
@@ -479,8 +480,9 @@ class Observer(nn.Module):
             return False
         self.probes[probe.key] = probe
         state = self.__dict__  # plain values: skip nn.Module.__setattr__
-        state["_grads"] = self._grads or probe.grads
-        if self._channel_dim is None:
+        if probe.grads and not self._grads:
+            state["_grads"] = True
+        if self._channel_dim is None and probe.channel_dim is not None:
             state["_channel_dim"] = probe.channel_dim
         return True
 
@@ -534,8 +536,8 @@ class Observer(nn.Module):
         self._calls = value
 
     def reset(self) -> None:
-        self.states.clear()
-        self._devices.clear()
+        self.__dict__.pop("states", None)  # made again on first use
+        self.__dict__.pop("_devices", None)
         self._calls = 0
 
     # -- runtime --------------------------------------------------------------------------------
@@ -663,7 +665,7 @@ class _Made:
         return made
 
 
-for _name, _factory in (("_parameters", dict), ("_buffers", dict), ("_modules", dict), ("_non_persistent_buffers_set", set),
+for _name, _factory in (("states", dict), ("_devices", dict), ("_parameters", dict), ("_buffers", dict), ("_modules", dict), ("_non_persistent_buffers_set", set),
                         *((h, OrderedDict) for h in (
                             "_backward_pre_hooks", "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs",
                             "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
