@@ -204,6 +204,7 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
         raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
                          f"{model.trace_info.frontend}: instrument the original model instead.")
     gm = LiveInstrumented._live(model, passes, prior, notes)
+    gm.__dict__["_example_inputs"] = example_inputs  # what gradcheck() and friends default to, as for a snapshot
     inputs = normalize_inputs(example_inputs)
     if inputs is not None:
         check_example_inputs(model, inputs)

@@ -478,3 +478,32 @@ def test_a_capture_that_did_not_run_since_reset_does_not_blur_merged_rows():
     assert len(dbg.parts()) == 2
     assert report.row("_2")["dead_frac"] is not None
     assert not any("could not tell" in n for n in report.notes)
+
+
+class _WrongSquare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * x  # should be 2 * g * x
+
+
+def test_gradcheck_on_a_live_module_finds_the_wrong_backward_with_its_example_inputs():
+    # Dynamo makes a custom autograd Function a higher-order op (no node of its own), and the live module kept no
+    # example inputs: gradcheck(dbg) raised MissingInputsError, and with inputs found no node to check
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.head = nn.Linear(4, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.head(_WrongSquare.apply(self.fc(x)))
+
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(Net(), [StatCollector()], example_inputs=(x,), frontend="dynamo")
+    result = fxdebug.gradcheck(dbg)
+    assert [r.op for r in result.failures] == ["_WrongSquare.apply"]
