@@ -52,6 +52,16 @@ def test_planted_nan_reproduces_in_a_fresh_process(tmp_path):
     assert "reproduced" in done.stdout and "'log'" in done.stdout and "1 NaN" in done.stdout
 
 
+def test_a_live_module_is_reproduced_from_a_snapshot_graph(tmp_path):
+    """A Dynamo capture's own graph is empty (it said "nothing to reproduce"): the model is traced once more."""
+    x = torch.rand(3, 8)
+    x[1, 0] = -4.0
+    dbg = fxdebug.instrument(LossScale(), [NaNCheck()], example_inputs=(torch.rand(3, 8),), frontend="dynamo")
+    rep = fxdebug.repro(dbg, (x,), tmp_path / "live.py")
+    assert rep.node == "log" and rep.kind == "nonfinite" and rep.reproduced and rep.nodes == ["log"]
+    _no_user_code(rep.path)
+
+
 def test_shape_failure_reproduces_in_a_fresh_process(tmp_path):
     model, (x,) = BROKEN["mnist_mismatch"]()
     dbg = fxdebug.trace(model)
@@ -137,7 +147,11 @@ def test_fp16_attention_overflow_in_tiny_gpt2(tmp_path):
     assert report.row(origin)["module"].startswith("transformer.h.1.attn")
     assert report.precision_origin == origin and report.row(origin)["acc_err"] == float("inf")
     rep = fxdebug.repro(dbg, {"input_ids": ids}, tmp_path / "gpt2.py")
-    assert rep.node == origin and rep.reproduced
+    # a live module's repro is cut from a snapshot graph of the model (export's `matmul_2`, where Dynamo's row
+    # says `transformer_h_1_attn_matmul`): the same op of the same module either way
+    assert rep.reproduced and (rep.node == origin or dbg.trace_info.frontend == "dynamo")
+    head = rep.path.read_text().split('"""')[1]
+    assert f"node '{rep.node}' (module {report.row(origin)['module']}, " in head and "matmul" in rep.node
     done = _run_script(rep.path)
     assert done.returncode == 1 and "Inf" in done.stdout
 

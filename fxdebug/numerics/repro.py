@@ -13,6 +13,9 @@ when that is enough, else grown toward its inputs one producer level at a time (
 written and run before it is accepted). A module call becomes the torch ops it is made of
 (traced through), with its parameters saved as tensors. Run, the script prints what it
 reproduced and exits 1 when the failure reproduces, 0 when it does not.
+
+A live (Dynamo) module is a set of graphs around eager code: its model is captured once more as one
+snapshot graph (``fxdebug.trace``: symbolic, else export) to cut the script from.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from torch.utils import _pytree as pytree
 
 from fxdebug.errors import FxDebugError, UsageError
 from fxdebug.graph.meta import describe, is_instrumentation, module_path, op_label
+from fxdebug.instrumented.face import model_of
+from fxdebug.instrumented.module import Instrumented
 
 __all__ = ["Repro", "repro"]
 
@@ -427,6 +432,11 @@ def repro(dbg: GraphModule, inputs: Any, path: str | Path) -> Repro:
 
     if not isinstance(dbg, GraphModule):
         raise UsageError(f"repro(dbg, inputs, path): dbg is an fxdebug.Instrumented (or GraphModule), got {type(dbg).__name__}.")
+    model = model_of(dbg) if isinstance(dbg, Instrumented) and dbg.trace_info.frontend == "dynamo" else None
+    if model is not None:
+        from fxdebug.api import trace  # one graph of the model as it is now (a repro is a snapshot by nature)
+
+        dbg = trace(model, inputs)
     parts = getattr(dbg, "parts", None)
     if callable(parts) and len(parts()) > 1:
         raise UsageError("repro: this model was captured per subtree; instrument it with frontend='symbolic' or "
