@@ -141,7 +141,8 @@ def lower_observers(gm: GraphModule) -> int:
                 _batch_taps(graph, taps, clock_node)
         pending.clear()
 
-    for node in list(graph.nodes):
+    # not a copy of the node list: an observer node erased behind the sweep is freed at once
+    for node in graph.nodes:
         obs = None
         if node.op == "call_module":
             meta = node.meta.get(_KEY)
