@@ -60,7 +60,7 @@ def model(width: int, depth: int) -> nn.Module:
 
 
 def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: int, depth: int,
-         batch: int) -> Callable[[int], float]:
+         batch: int) -> Callable[[int], tuple[float, float]]:
     net = model(width, depth)
     opt: Any = make_opt(net.parameters())
     if variant == "guard":
@@ -71,14 +71,20 @@ def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: 
     x = torch.randn(batch, 16, width, generator=gen)
     y = torch.randint(0, 10, (batch, 16), generator=gen)
 
-    def run(steps: int) -> float:
-        t0 = time.process_time()  # CPU time of this process: steadier than wall time on a shared machine
+    def run(steps: int) -> tuple[float, float]:
+        """(loop time, ``step()`` time) per step, CPU time of this process (steadier than wall time on
+        a shared machine)."""
+        clock = time.process_time
+        in_step = 0.0
+        t0 = clock()
         for _ in range(steps):
             out = net(x)
             torch.nn.functional.cross_entropy(out.reshape(-1, 10), y.reshape(-1)).backward()
+            s0 = clock()
             opt.step()
+            in_step += clock() - s0
             opt.zero_grad()
-        return (time.process_time() - t0) / steps
+        return (clock() - t0) / steps, in_step / steps
 
     run(3)  # warm-up (lazy optimizer state, allocator)
     return run
@@ -128,34 +134,44 @@ def aids(args: argparse.Namespace) -> None:
     that rotates from round to round; a variant's figure is the median over rounds of its time
     divided by the plain loop's time *in the same round* (paired), with the min..max of those
     ratios. ``plain again`` is a second, separately built plain loop: its ratio is the noise of
-    the measurement itself (what a ratio of 1.00 looks like on this machine, now)."""
+    the measurement itself (what a ratio of 1.00 looks like on this machine, now).
+
+    ``step +us`` times ``step()`` alone (the aid's own work) in the same rounds: the median (min..max)
+    of the per-round differences to the plain loop's ``step()``; ``-> ratio`` is 1 + that median over
+    the plain loop's time per step — free of the forward/backward's noise, which dominates the
+    whole loop's ratio on a loaded machine."""
     torch.set_num_threads(args.threads)
     params = sum(p.numel() for p in model(args.width, args.depth).parameters())
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s), load average "
           f"{load}; model: {args.depth} blocks of width {args.width} ({params / 1e6:.2f}M parameters), 16 tokens per "
-          f"sample; {args.rounds} rounds x {args.steps} steps; paired ratio to the plain loop: median (min..max)")
+          f"sample; {args.rounds} rounds x {args.steps} steps; loop: paired ratio to the plain loop, median (min..max)")
     variants = ("plain", "plain again", "guard", "param_updates")
-    print(f"{'optimizer':<18} {'batch':>5} {'plain ms/step':>13} {'plain again (noise)':>21} {'guard':>21} "
-          f"{'ParamUpdates':>21} {'guard us/step':>14}")
+    print(f"{'optimizer':<16} {'batch':>5} {'plain ms':>8} {'plain again (noise)':>20} {'guard loop':>20} "
+          f"{'guard step +us':>18} {'-> ratio':>8} {'ParamUpdates loop':>20} {'PU step +us':>16} {'-> ratio':>8}")
     for batch in args.batch:
         for name, make in OPTIMIZERS.items():
             if args.only and not any(o.lower() in name.lower() for o in args.only):
                 continue
             runs = {v: loop("plain" if v == "plain again" else v, make, args.width, args.depth, batch) for v in variants}
-            times: dict[str, list[float]] = {v: [] for v in variants}
+            times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
             for r in range(args.rounds):
                 for v in variants[r % len(variants):] + variants[:r % len(variants)]:
                     times[v].append(runs[v](args.steps))
-            plain = times["plain"]
+            plain = [t for t, _ in times["plain"]]
+            plain_ms = statistics.median(plain)
 
             def ratio(v: str) -> str:
-                rs = [a / b for a, b in zip(times[v], plain)]
+                rs = [a / b for (a, _), b in zip(times[v], plain)]
                 return f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})"
 
-            cost = statistics.median((a - b) * 1e6 for a, b in zip(times["guard"], plain))
-            print(f"{name:<18} {batch:>5} {statistics.median(plain) * 1e3:>13.2f} {ratio('plain again'):>21} "
-                  f"{ratio('guard'):>21} {ratio('param_updates'):>21} {cost:>14.0f}", flush=True)
+            def step_cost(v: str) -> str:
+                us = [(a - b) * 1e6 for (_, a), (_, b) in zip(times[v], times["plain"])]
+                mid = statistics.median(us)
+                return f"{mid:6.0f} ({min(us):.0f}..{max(us):.0f}) {1 + mid / 1e6 / plain_ms:8.3f}"
+
+            print(f"{name:<16} {batch:>5} {plain_ms * 1e3:>8.2f} {ratio('plain again'):>20} {ratio('guard'):>20} "
+                  f"{step_cost('guard'):>27} {ratio('param_updates'):>20} {step_cost('param_updates'):>25}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
