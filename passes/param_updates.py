@@ -79,6 +79,7 @@ class UpdateTable:
         self._before: list[Tensor] = []
         self._had_grad: list[bool] = []
         self._weight_norms: list[Tensor] = []
+        self._flagged = False  # a step came through fxdebug.guard (it marks the steps it takes back)
         self.call = -1  # the model's last forward call (set by the probes; host-side, no sync)
         self.calls = [-1] * WINDOW  # per ring slot: the forward call whose gradients that step applied
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
@@ -94,8 +95,7 @@ class UpdateTable:
                 "step": torch.zeros((), dtype=torch.int64, device=device),
                 "norms": torch.full((n, WINDOW), nan, **f32),  # each step's update norms (for the recorder's history)
                 "skipped_ring": torch.zeros(WINDOW, dtype=torch.bool, device=device),
-                "skipped": torch.zeros((), dtype=torch.bool, device=device),  # the last step was taken back
-                "skips": torch.zeros((), dtype=torch.int64, device=device)}
+                "skipped": torch.zeros((), dtype=torch.bool, device=device)}  # the last step was taken back
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -126,11 +126,11 @@ class UpdateTable:
             # fxdebug.guard sets this on the optimizer for the step (1.0: the step is taken back, on
             # the device): such a step changed nothing, whatever the parameters held at this hook
             flag = getattr(optimizer, "fxdebug_skipped", None)
-            taken_back = (flag.to(device, non_blocking=True) > 0) if isinstance(flag, Tensor) else \
-                torch.zeros((), dtype=torch.bool, device=device)
-            applied = stepped & ~taken_back
-            zero = torch.zeros_like(upd)
-            upd = torch.where(applied, upd, zero)
+            taken_back = (flag.to(device, non_blocking=True) > 0) if isinstance(flag, Tensor) else None
+            applied = stepped
+            if taken_back is not None:
+                applied = stepped & ~taken_back
+                upd = torch.where(applied, upd, torch.zeros_like(upd))
             ratio = torch.where(applied & (wn > 0), upd / wn, torch.full_like(upd, float("nan")))
             hist = s["history"]
             median = hist.nanmedian(dim=1).values
@@ -142,13 +142,16 @@ class UpdateTable:
             s["spike_ratio"] = torch.where(higher, ratio, s["spike_ratio"])
             s["spike_step"] = torch.where(higher, s["step"], s["spike_step"])
             s["norm"] = torch.where(stepped, upd, s["norm"])  # a step taken back: 0
-            s["ratio"] = torch.where(stepped, torch.where(taken_back, zero, ratio), s["ratio"])
+            shown = ratio if taken_back is None else torch.where(taken_back, torch.zeros_like(ratio), ratio)
+            s["ratio"] = torch.where(stepped, shown, s["ratio"])
             slot = self.steps % WINDOW
             hist[:, slot] = ratio  # NaN for a step taken back: outside the running median
             s["norms"][:, slot] = torch.where(stepped, upd, torch.full_like(upd, float("nan")))
-            s["skipped_ring"][slot] = taken_back
-            s["skipped"].copy_(taken_back)
-            s["skips"].add_(taken_back.to(torch.int64))
+            if taken_back is not None or self._flagged:  # (a loop without fxdebug.guard skips these)
+                self._flagged = True
+                back = taken_back if taken_back is not None else torch.zeros((), dtype=torch.bool, device=device)
+                s["skipped_ring"][slot] = back
+                s["skipped"].copy_(back)
             s["step"].add_(1)
         self.calls[slot] = self.call
         self.steps += 1
