@@ -77,7 +77,10 @@ def test_auto_falls_back_to_subtrees_and_reports_coverage() -> None:
     model, images = Detector().eval(), _images()
     keys = list(model.state_dict())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], example_inputs=(images,))
+    # where the snapshot chain (symbolic, export) fails, subtrees: this file's subject, pinned whatever "auto" means
+    # (docs/frontends.md's Detector example runs the chain itself)
+    dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], example_inputs=(images,),
+                             frontend="subtrees")
     info = dbg.trace_info
     assert info.frontend == "subtrees"
     assert info.captured == {"backbone": "symbolic", "head": "symbolic", "gate.proj": "symbolic"}
@@ -103,7 +106,7 @@ def test_auto_falls_back_to_subtrees_and_reports_coverage() -> None:
 
 def test_nan_is_located_in_a_captured_part() -> None:
     model, images = Detector().eval(), _images()
-    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(images,))
+    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(images,), frontend="subtrees")  # rows `part/node`
     with torch.no_grad():
         model.head.attn.bias[1] = float("nan")
     dbg(images)
@@ -114,7 +117,7 @@ def test_nan_is_located_in_a_captured_part() -> None:
 
 def test_deepcopy_and_save() -> None:
     model, images = Detector().eval(), _images()
-    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(images,))
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(images,), frontend="subtrees")
     ref = model(images)["scores"]
     clone = copy.deepcopy(dbg)
     assert clone.head.attn.weight is not model.head.attn.weight
