@@ -305,6 +305,9 @@ def test_saved_and_loaded_keeps_the_report_and_adds_to_it():
     assert repr(after.rows) == repr(before.rows) and after.calls == 2  # repr: NaN != NaN
     assert after.first_nonfinite == before.first_nonfinite == "fc1"
     assert any("before the module was saved" in n for n in after.notes)
+    assert [r.pass_name for r in loaded.pass_results] == [r.pass_name for r in dbg.pass_results] == [
+        "nan-check", "stat-collector"]
+    assert [r.pass_name for r in fxdebug.trace(dbg).pass_results] == ["nan-check", "stat-collector"]
     loaded(x)  # the loaded module captures again; its rows add to the saved ones
     again = loaded.report()
     assert again.calls == 3 and again.row("fc1")["calls"] == 3 and dbg.report().calls == 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import threading
 import time
@@ -127,7 +128,7 @@ class LiveInstrumented(Instrumented):
             if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
                 out = self._call_under_modes(args, kwargs)
             else:
-                with live(self), dynamo_config(), warnings.catch_warnings():
+                with live(self), dynamo_config(not self.__dict__.get("_ran")), warnings.catch_warnings():
                     # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
                     warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
                     try:
@@ -206,7 +207,7 @@ class LiveInstrumented(Instrumented):
         with _disable_current_modes() as modes:
             lifted.append(list(modes))
             try:
-                with live(self), dynamo_config(), warnings.catch_warnings():
+                with live(self), dynamo_config(not self.__dict__.get("_ran")), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
                     return self.__dict__["_compiled"](*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
@@ -390,14 +391,18 @@ class LiveInstrumented(Instrumented):
         return draw(largest, path, report=report, **kwargs)
 
     def retrace(self) -> Instrumented:
-        return LiveInstrumented._live(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
-                                      self.trace_info.notes)
+        again = LiveInstrumented._live(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
+                                       self.trace_info.notes)
+        graph_record(again).passes.extend(graph_record(self).passes)  # what the passes did: the same passes
+        return again
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "LiveInstrumented":
         import copy
 
-        return LiveInstrumented._live(copy.deepcopy(self._model, memo), self.__dict__["_passes"],
+        twin = LiveInstrumented._live(copy.deepcopy(self._model, memo), self.__dict__["_passes"],
                                       self.__dict__["_prior"], self.trace_info.notes)
+        graph_record(twin).passes.extend(graph_record(self).passes)
+        return twin
 
     def __reduce__(self) -> Any:
         """Saved with what it observed: each capture's report (rows, call counts, per-channel maxima), the
@@ -410,7 +415,9 @@ class LiveInstrumented(Instrumented):
             saved.append((rep, channel_maxima(found.part)))
         notes = [n if n.startswith(_SAVED) else n.replace("dynamo: ", _SAVED, 1)
                  for n in self._summary_notes() if n not in self.trace_info.notes]
-        state = {"saved": saved, "calls": self.__dict__["_calls"], "namer": self.__dict__["_namer"], "notes": notes}
+        state = {"saved": saved, "calls": self.__dict__["_calls"], "namer": self.__dict__["_namer"], "notes": notes,
+                 # what each pass did (names and counts; not the graph it did it to, which stays in this process)
+                 "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
         return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes), state))
 
 
@@ -642,6 +649,7 @@ def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
     if state:  # what the saved module had observed (see ``LiveInstrumented.__reduce__``)
         gm.__dict__.update(_saved=list(state["saved"]), _calls=int(state["calls"]), _namer=state["namer"],
                            _saved_notes=list(state["notes"]))
+        graph_record(gm).passes.extend(state.get("pass_results", ()))
     return gm
 
 
