@@ -101,6 +101,7 @@ def _run_pipeline(gm: Instrumented, pass_list: list[Pass], example_inputs: Any, 
         new = manager.run(part, ctx)
         if ctx.inputs is not None and (not observe_only or recorded is not None):
             ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
+        ctx.invalidate()  # the shapes are in the nodes' metadata now: the cached specs go before lowering (peak memory)
         lower_observers(new)  # fused observers become direct op calls (runtime/lower.py)
         graph_record(new).passes.extend(manager.results)
         gm = gm.replace_part(path, new)  # type: ignore[arg-type]
