@@ -29,7 +29,9 @@ def test_detector_runs_bitwise_equal_on_its_example_inputs():
     model, (images,) = detector()
     with torch.no_grad():
         expected = model(images)
-    dbg = fxdebug.instrument(model, [StatCollector(), NaNCheck(mode="record")], example_inputs=(images,))
+    # the subtrees capture's parts (fed the FPN's maps in another container) are the subject: pinned
+    dbg = fxdebug.instrument(model, [StatCollector(), NaNCheck(mode="record")], example_inputs=(images,),
+                             frontend="subtrees")
     assert dbg.trace_info.frontend == "subtrees"
     assert {"backbone", "roi_heads"} <= set(dbg.trace_info.captured)
     with torch.no_grad():
@@ -68,7 +70,8 @@ def test_swin3d_wrapped_helper_may_mutate_its_list_arguments():
     with torch.no_grad():
         want = model(x)
         assert torch.equal(torch.fx.symbolic_trace(model)(x), want)  # plain FX handles it
-        dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+        # symbolic tracing's torch.fx.wrap-ped helper is the subject: pinned
+        dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,), frontend="symbolic")
         assert dbg.trace_info.frontend == "symbolic"
         assert torch.equal(dbg(x), want)
         assert torch.equal(dbg(x), want)  # the model's own window lists are untouched by the calls
@@ -81,7 +84,8 @@ def test_swin3d_wrapped_helper_may_mutate_its_list_arguments():
 
 def test_where_names_root_paths_inside_captured_parts():
     model, (images,) = detector()
-    dbg = fxdebug.instrument(model, [StatCollector(where="backbone.body.*")], example_inputs=(images,))
+    dbg = fxdebug.instrument(model, [StatCollector(where="backbone.body.*")], example_inputs=(images,),
+                             frontend="subtrees")  # observers named `part/node`: the subtrees capture's
     observed = list(dbg.observers())
     assert observed and all(name.startswith("backbone/") for name in observed)
     with torch.no_grad():
