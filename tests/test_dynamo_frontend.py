@@ -510,3 +510,23 @@ def test_gradcheck_on_a_live_module_finds_the_wrong_backward_with_its_example_in
     dbg = fxdebug.instrument(Net(), [StatCollector()], example_inputs=(x,), frontend="dynamo")
     result = fxdebug.gradcheck(dbg)
     assert [r.op for r in result.failures] == ["_WrongSquare.apply"]
+
+
+def test_instrument_capture_fires_no_pass_action_on_the_example_inputs():
+    # the capture call ran the instrumented graph: a Breakpoint fired and raise mode raised at instrument time
+    from fxdebug.passes import Breakpoint
+
+    class Sqrt(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x) + 1
+
+    hits = []
+    x = -torch.ones(2, 3)  # NaN on the example inputs
+    bp = Breakpoint(None, when=fxdebug.when.nonfinite, action=hits.append)
+    dbg = fxdebug.instrument(Sqrt(), [bp], example_inputs=(x,), frontend="dynamo")
+    assert hits == [] and len(dbg.parts()) == 1
+    dbg(x)
+    assert [h.node for h in hits][:1] == ["sqrt"] and hits[0].call == 0
+    raising = fxdebug.instrument(Sqrt(), [NaNCheck(mode="raise")], example_inputs=(x,), frontend="dynamo")
+    with pytest.raises(fxdebug.NonFiniteError, match="node 'sqrt'"):
+        raising(x)

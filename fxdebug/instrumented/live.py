@@ -221,6 +221,11 @@ class LiveInstrumented(Instrumented):
         found = self.__dict__["_parts"].get(graph)
         if found is None:
             found = self._instrument_graph(graph, args)
+        if self.__dict__.get("_examples"):
+            # instrument()'s capture on the example inputs: the graph is instrumented (shapes learnt), but what runs
+            # is Dynamo's plain graph, as a snapshot frontend runs the model only to learn shapes: no breakpoint,
+            # raise-mode check, NaN callback or gradient hook of the passes fires at instrument time
+            return graph.gm(*args)
         found.calls.append(self.__dict__["_calls"] - 1)  # this graph's next call index is the module's call
         lifted = self.__dict__.get("_lifted")
         try:
