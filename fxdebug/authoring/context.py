@@ -154,17 +154,19 @@ class PassContext:
         ``ops``, ``float_outputs`` / ``tensor_outputs`` (needs shapes) and ``predicate`` filter it.
         """
         narrower = None if where is _UNSET or where is self._where else where
+        own = self._where
+        specs = self.specs(gm) if (float_outputs or tensor_outputs) else None  # one lookup, not one per node
         picked = []
         for node in list(gm.graph.nodes):
-            if node.op not in ops or is_instrumentation(node) or not matches(self._where, node):
+            if node.op not in ops or is_instrumentation(node) or (own is not None and not matches(own, node)):
                 continue
             if narrower is not None and not matches(narrower, node):
                 continue
             if predicate is not None and not predicate(node):
                 continue
-            if float_outputs or tensor_outputs:
-                spec = self.tensor_spec(node)
-                if spec is None or (float_outputs and not spec.dtype.is_floating_point):
+            if specs is not None:
+                spec = specs.get(node.name)
+                if not isinstance(spec, TensorSpec) or (float_outputs and not spec.dtype.is_floating_point):
                     continue
             picked.append(node)
         return picked

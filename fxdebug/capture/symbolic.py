@@ -156,20 +156,35 @@ def _user_frame_text() -> str | None:
     per node, which matters on graphs of thousands of nodes.
     """
     frame: FrameType | None = sys._getframe(2)
+    kinds = _FILE_KINDS
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename in _TRACER_FILES:  # the tracer's own hooks (call_module, patched calls) sit
-            frame = frame.f_back       # between an op and the user's forward: look past them
-            continue
-        if filename.startswith(_FXDEBUG_DIR):
+        kind = kinds.get(filename)
+        if kind is None:
+            kind = kinds[filename] = _file_kind(filename)
+        if kind == _USER:
+            code = linecache.getline(filename, frame.f_lineno).strip()
+            return f'File "{filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}'
+        if kind == _FXDEBUG:
             # reached fxdebug's own call into the tracer: no user code defines this op (a layer of a
             # root nn.Sequential); the line calling instrument() would be a wrong answer
             return None
-        if not filename.startswith(_TORCH_DIR) and not filename.startswith("<"):
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            return f'File "{filename}", line {frame.f_lineno}, in {frame.f_code.co_name}\n    {code}'
-        frame = frame.f_back
-    return None
+        frame = frame.f_back  # torch, or the tracer's own hooks (call_module, patched calls) that sit
+    return None               # between an op and the user's forward: look past them
+
+
+_USER, _FXDEBUG, _PAST = 0, 1, 2
+_FILE_KINDS: dict[str, int] = {}  # co_filename -> kind (a few dozen files; one lookup per frame)
+
+
+def _file_kind(filename: str) -> int:
+    if filename in _TRACER_FILES:
+        return _PAST
+    if filename.startswith(_FXDEBUG_DIR):
+        return _FXDEBUG
+    if filename.startswith(_TORCH_DIR) or filename.startswith("<"):
+        return _PAST
+    return _USER
 
 
 def _user_location(exc: BaseException) -> str | None:

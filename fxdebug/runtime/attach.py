@@ -9,6 +9,8 @@ host syncs) live in ``observe.py``.
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 from torch.fx import GraphModule, Node
 
@@ -20,6 +22,7 @@ from fxdebug.runtime.lower import find_lowered, unlower
 __all__ = ["Observation"]
 
 _NONE: dict[str, object] = {}
+_PLAIN = re.compile(r"\w+", re.ASCII)  # a name add_module keeps as it is
 
 
 class Observation:
@@ -138,7 +141,7 @@ def _register(gm: GraphModule, hint: str, observer: Observer) -> str:
     space = gm._modules.get(NAMESPACE)
     if space is None or type(space) is not nn.Module:
         return add_module(gm, hint, observer)
-    base = "".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "m"
+    base = hint if _PLAIN.fullmatch(hint) else ("".join(c if c.isalnum() or c == "_" else "_" for c in hint) or "m")
     name, i = base, 1
     modules, taken = space._modules, space.__dict__
     while name in modules or name in taken or name in space._parameters or name in space._buffers \
