@@ -216,7 +216,7 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
         finally:
             gm.__dict__["_examples"] = False
         gm.reset()
-        check_where_matched(passes, gm.parts())
+        check_where_matched(passes, gm.parts(), prefixed=False)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:
         verify(gm, example_inputs).raise_if_failed()

@@ -58,7 +58,8 @@ def test_instrument_does_not_run_the_model_state_forward():
 
 
 def test_where_that_matches_nothing_is_refused():
-    with pytest.raises(UsageError):
+    # the module paths named are the model's (they said "0/0/fc1": the capture's frame/recompile key in front)
+    with pytest.raises(UsageError, match=r"Module paths in this model: fc1, fc2;"):
         fxdebug.instrument(MLP(), [StatCollector(where="nope*")], example_inputs=(torch.randn(2, 4),),
                            frontend="dynamo")
 

@@ -66,14 +66,17 @@ def where_matches(where: Any, gm: GraphModule) -> bool:
                for n in gm.graph.nodes)
 
 
-def check_where_matched(passes: Sequence[Any], parts: Mapping[str, GraphModule]) -> None:
-    """Every pass given ``where=`` must select some node in some part, else it would do nothing."""
+def check_where_matched(passes: Sequence[Any], parts: Mapping[str, GraphModule], *, prefixed: bool = True) -> None:
+    """Every pass given ``where=`` must select some node in some part, else it would do nothing.
+
+    ``prefixed=False``: the parts' keys are not module paths (a live capture's ``frame/recompile``)."""
     for p in passes:
         where = getattr(p, "where", None)
         if where is None or any(where_matches(where, part) for part in parts.values()):
             continue
-        paths = sorted({".".join(x for x in (path, module_path(n)) if x) for path, part in parts.items()
-                        for n in part.graph.nodes if module_path(n) or path})
+        paths = sorted({".".join(x for x in (path if prefixed else "", module_path(n)) if x)
+                        for path, part in parts.items() for n in part.graph.nodes
+                        if module_path(n) or (path and prefixed)})
         shown = ", ".join(paths[:12]) + (", ..." if len(paths) > 12 else "")
         raise UsageError(
             f"pass '{getattr(p, 'name', type(p).__name__)}': where={where!r} matches no node, so the pass would do "
