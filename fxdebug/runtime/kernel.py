@@ -411,7 +411,7 @@ def _observe_grad_py(x: Any, table: Any, row: int, chan_off: int, channels: int,
     if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
         hook = functools.partial(torch.ops.fxdebug.observe.default, table=table, row=row, chan_off=chan_off,
                                  channels=channels, channel_dim=channel_dim)
-        x.register_hook(hook)  # type: ignore[no-untyped-call]
+        x.register_hook(hook)
 
 
 def _observe_grad_many_py(xs: Any, table: Any, args: Any) -> None:

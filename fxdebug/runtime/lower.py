@@ -154,7 +154,7 @@ def lower_observers(gm: GraphModule) -> int:
         elif node.op == "call_function" and ops is not None and node.target is ops[0] and isinstance(node.args[0], Node) \
                 and fx_meta(node).get("phase") == "forward" and "observer" in fx_meta(node) and _small(node.args[0]):
             # lowered before (instrumenting an instrumented module): joins the run as it is
-            pending.append((node, node.args[0], node.args[2:6], fx_meta(node)["observer"], None))  # type: ignore[arg-type]
+            pending.append((node, node.args[0], node.args[2:6], fx_meta(node)["observer"], None))
             if len(pending) == BATCH_MAX:
                 flush()
             continue
