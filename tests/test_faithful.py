@@ -285,7 +285,7 @@ def test_root_buffer_reassignment_auto_is_exported_and_updates_the_buffer() -> N
     model = EMA()
     x = torch.randn(3, 4)
     dbg = fxdebug.instrument(model, passes(), example_inputs=(x,))
-    assert dbg.trace_info.frontend == "export"
+    assert dbg.trace_info.frontend in ("export", "dynamo")  # the snapshot chain exports it; or the live default
     assert torch.equal(model.avg, torch.zeros(4)), "instrument() updated the model's buffer"
     ref = twin(model)
     assert_same_step(dbg, ref, x)
@@ -323,7 +323,7 @@ def test_python_counter_at_the_root_keeps_counting() -> None:
     with pytest.raises(fxdebug.TraceError, match=r"self\.calls"):
         fxdebug.instrument(model, passes(), example_inputs=(x,), frontend="export")
     dbg = fxdebug.instrument(model, passes(), example_inputs=(x,))
-    assert dbg.trace_info.frontend == "subtrees"
+    assert dbg.trace_info.frontend in ("subtrees", "dynamo")  # the snapshot chain's root stays eager; or live
     assert model.calls == 0, "instrument()'s example runs advanced the model's counter"
     dbg(x)
     dbg(x)
