@@ -224,3 +224,25 @@ def test_taps_of_small_tensors_are_batched_and_split_when_reinstrumented():
     rows = [r for r in again.report().rows if r.get("grad_calls")]
     assert rows and all(r["grad_calls"] == 1 for r in rows)  # each gradient observed once after the re-lowering
     assert all(r["grad_l1_mean"] == pytest.approx(r["grad_mean_abs"]) for r in rows)
+
+
+def test_the_cpp_hook_dispatches_to_a_python_kernel():
+    """On CUDA the hook's ``observe`` lands on the Triton kernel (Python): the same path on CPU with
+    the pure-torch kernel swapped in, against the C++ kernel's rows."""
+    from fxdebug.runtime.kernel import use
+
+    model, (x,) = ZOO["residual_cnn"]()
+    model.eval()
+    rows = []
+    for kernel in ("cpp", "torch"):
+        dbg = fxdebug.instrument(model, PASSES(), example_inputs=(x,), frontend="symbolic")
+        with use(kernel):
+            dbg(x).sum().backward()
+        rows.append({r["node"]: r for r in dbg.report().rows})
+    assert rows[0].keys() == rows[1].keys()
+    for name, native in rows[0].items():
+        ours = rows[1][name]
+        assert ours.get("grad_calls") == native.get("grad_calls") and ours.get("grad_count") == native.get("grad_count")
+        if native.get("grad_calls"):
+            assert ours["grad_mean"] == pytest.approx(native["grad_mean"], rel=1e-6, abs=1e-12)
+            assert ours["grad_nonfinite_calls"] == native["grad_nonfinite_calls"] == 0
