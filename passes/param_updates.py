@@ -250,9 +250,10 @@ class ParamUpdateProbe(Probe):
             sq_upd = sq_w = 0.0
             for name, p in self.params.items():
                 i = self.table.index.get(id(p))
-                if i is None or norms[i] is None:
+                norm = None if i is None else norms[i]
+                if i is None or norm is None:
                     continue
-                norm, ratio = norms[i], ratios[i]
+                ratio = ratios[i]
                 per[name] = {"update_norm": norm, "update_ratio": ratio}
                 sq_upd += norm * norm
                 if ratio is not None and ratio > 0:
