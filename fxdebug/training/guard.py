@@ -223,7 +223,7 @@ class Guard(torch.optim.Optimizer):
             found = torch.zeros(1, dtype=torch.float32, device=dev)
             inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True).reshape(1)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-            flags.append(found.to(device, non_blocking=True).reshape(()))
+            flags.append(_on(found, device).reshape(()))
         if scaler_inf is not None:
             flags.append(scaler_inf.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
         if self.dbg is not None:
@@ -502,17 +502,22 @@ class _Plan:
         for dev, ts, bs, scratch in self.copies:
             _copy_if(ts, bs, scratch, _on(self._skip, dev))
         for dev, bits, ts, bs in self.groups:
-            take = bad.to(dev, non_blocking=True).to(bits)
+            take = _on(bad, dev).to(bits)
             torch._foreach_mul_(ts, 1 - take)
             torch._foreach_addcmul_(ts, bs, [take] * len(bs))
         keep = None
         for t, b in self.other:
             keep = (bad > 0) if keep is None else keep
-            torch.where(keep.to(t.device), b, t, out=t)
+            torch.where(_on(keep, t.device), b, t, out=t)
 
 
 def _on(t: Tensor, device: torch.device) -> Tensor:
-    return t if t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device``. Without waiting, except from an accelerator to the CPU (parameters or
+    state kept on the CPU while the flag is on the GPU): a CPU kernel reads the flag at once, so that
+    copy must have landed — the one case that syncs, and only in such a split setup."""
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu" or t.device.type == "cpu")
 
 
 def _copies_on_device(t: Tensor) -> bool:
