@@ -54,7 +54,7 @@ class ShapeProbe(Probe):
     key = "shape-assert"
     wants_inputs = True
 
-    def __init__(self, node: Node, expected: TensorSpec, symbols: Dims, inputs: list[tuple[str, Dims]],
+    def __init__(self, node: Node, expected: TensorSpec, symbols: Dims, inputs: list[tuple[str, Dims | None]],
                  check_dtype: bool) -> None:
         self.shape = tuple(expected.shape)
         self.dtype = expected.dtype
@@ -88,7 +88,7 @@ class ShapeProbe(Probe):
             got, want = f"{_dt(x.dtype)} {got}", f"{_dt(self.dtype)} {want}"
         shown = []
         for (name, symbols), value in zip(self.inputs, inputs):
-            if isinstance(value, Tensor):
+            if isinstance(value, Tensor) and symbols is not None:  # None: a weight read as an input (not shown)
                 shown.append(render(value.shape, symbols if len(symbols) == 0 or max(symbols) < value.dim() else {}))
         ins = f" Inputs: {', '.join(shown)}." if shown else ""
         at = f" Defined at {self.where}." if self.where else ""
@@ -125,19 +125,34 @@ class ShapeAssert(fxdebug.Pass):
         self.check_dtype = check_dtype
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
-        specs = ctx.specs(gm)
-        other = PassContext(self.other_inputs).specs(gm) if self.other_inputs is not None else {}
+        specs = dict(ctx.specs(gm))
+        try:
+            other = PassContext(self.other_inputs).specs(gm) if self.other_inputs is not None else {}
+        except fxdebug.FxDebugError:  # a live capture's graph is specialised to its first call's sizes
+            other = {}
         names = _SymbolNames(gm, specs)
         symbolic: dict[str, Dims] = {}
         for name, spec in specs.items():
             if isinstance(spec, TensorSpec):
                 symbolic[name] = names.dims(spec, self._dynamic(spec, other.get(name)))
+        # A live (Dynamo) module hands over a new graph for each recompile (another shape, mode or keyword), all over
+        # the model's own module dictionary, with stable node names: the first capture's expectation holds for them
+        first = self._expected(gm)
+        for name, (spec, dims) in first.items():
+            if isinstance(specs.get(name), TensorSpec) and len(specs[name].shape) == len(spec.shape):
+                specs[name], symbolic[name] = spec, dims
+        for name, spec in specs.items():
+            if isinstance(spec, TensorSpec) and name not in first:
+                first[name] = (spec, symbolic[name])
         added: list[Node | None] = []
         probes: dict[str, ShapeProbe] = {}
         nodes = list(ctx.nodes(gm, ops=_OPS, tensor_outputs=True))
         for node in nodes:
             spec = specs[node.name]
-            inputs = [(a.name, symbolic.get(a.name, {})) for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)]
+            # weights the op reads as get_attr inputs (every weight in a Dynamo graph) are not the activations the
+            # message is about: left out of it, as a module call's own weights are
+            inputs = [(a.name, None if a.op == "get_attr" else symbolic.get(a.name, {})) for a in node.all_input_nodes
+                      if not fxdebug.is_instrumentation(a)]
             probes[node.name] = ShapeProbe(node, spec, symbolic[node.name], inputs, self.check_dtype)
         graph_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(specs.get(n.name), TensorSpec)]
         guard = _ShapeGuard(gm, probes, specs, [n.name for n in graph_inputs])
@@ -153,6 +168,20 @@ class ShapeAssert(fxdebug.Pass):
             for node in nodes:
                 added.append(ctx.observe(node, probes[node.name]))
         return PassResult(gm, added=added)
+
+    def _expected(self, gm: GraphModule) -> dict[str, tuple[TensorSpec, Dims]]:
+        """``{node: (spec, symbolic dims)}`` first learnt for the model behind ``gm`` (keyed by its module table,
+        which every graph of one live capture shares; a snapshot graph has its own)."""
+        table = gm.__dict__.get("_modules")
+        memory = self.__dict__.setdefault("_first", {})
+        key = id(table)
+        found = memory.get(key)
+        if found is None or found[0] is not table:
+            found = memory[key] = (table, {})
+        return found[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_first"}
 
     def _dynamic(self, spec: TensorSpec, other: Any) -> set[int]:
         rank = len(spec.shape)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -531,3 +532,31 @@ def test_instrument_capture_fires_no_pass_action_on_the_example_inputs():
     raising = fxdebug.instrument(Sqrt(), [NaNCheck(mode="raise")], example_inputs=(x,), frontend="dynamo")
     with pytest.raises(fxdebug.NonFiniteError, match="node 'sqrt'"):
         raising(x)
+
+
+def test_shape_assert_holds_the_first_capture_expectation_across_recompiles():
+    # each recompile (another shape, dtype) was instrumented on its own first call: ShapeAssert learnt the new
+    # shape as "expected" and never raised
+    from fxdebug.passes import ShapeAssert
+
+    class Conv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            return self.conv1(x)
+
+    dbg = fxdebug.instrument(Conv(), [ShapeAssert()], example_inputs=(torch.randn(2, 3, 8, 8),), frontend="dynamo")
+    assert dbg(torch.randn(5, 3, 8, 8)).shape == (5, 4, 8, 8)  # the batch may vary
+    with pytest.raises(fxdebug.ShapeMismatchError) as info:
+        dbg(torch.randn(5, 3, 6, 6))
+    assert re.match(r"node 'x' \(module <root>, placeholder\) produced \(N, 3, 6, 6\); expected \(N, 3, 8, 8\)",
+                    str(info.value)) or re.match(
+        r"node 'conv1' \(module conv1, torch\.conv2d\) produced \(N, 4, 6, 6\); expected \(N, 4, 8, 8\)\. "
+        r"Inputs: \(N, 3, 6, 6\)\.", str(info.value)), str(info.value)  # weights are not listed as inputs
+    linear = nn.Linear(4, 2)
+    dbg = fxdebug.instrument(linear, [ShapeAssert()], example_inputs=(torch.randn(3, 4),), frontend="dynamo")
+    linear.double()
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"produced float64 \(N, 4\); expected float32 \(N, 4\)"):
+        dbg(torch.randn(3, 4, dtype=torch.float64))

@@ -156,12 +156,13 @@ class LiveInstrumented(Instrumented):
     def _raise_typed(self, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> None:
         """An op failed on Dynamo's fake tensors while it captured again: the typed error for it, if one is found.
 
-        A pass's guard error (``DeviceCheck``) stands alone (``from None``: no real op ran, Dynamo's fake-tensor
-        traceback would only bury it); a diagnosis by a symbolic capture keeps Dynamo's error as its cause.
+        A pass's guard error (``DeviceCheck``) stands alone (no real op ran; Dynamo's fake-tensor traceback would only
+        bury it), or keeps its own cause (the real op's error when an op of a captured graph failed on these
+        arguments); a diagnosis by a symbolic capture keeps Dynamo's error as its cause.
         """
         guarded = self._guarded(args, kwargs)
-        if guarded is not None:
-            raise guarded from None
+        if guarded is not None:  # its own cause (the real op's error, when a captured graph's op failed) or none
+            raise guarded from guarded.__cause__
         diagnosed = _diagnosed(self._model, args, kwargs, exc)
         if diagnosed is not exc:
             raise diagnosed from exc
