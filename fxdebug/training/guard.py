@@ -9,8 +9,15 @@ bitwise as it was when so. Nothing in ``step()`` reads a device value back to th
 * fused optimizers (``fused=True``) take the flag as their ``found_inf`` input, the same one
   ``GradScaler`` uses: the fused kernel skips the update and takes the step count back;
 * every other optimizer (``foreach``, the per-tensor loop) steps as usual between a copy of what
-  the step may change and a ``torch.where(bad, before, after)`` that puts it back. The copies are
-  buffers the guard keeps (one more copy of the parameters and their state in memory).
+  the step may change and a copy back, both conditional on the flag *in the kernel*: torch's fused
+  SGD kernel, used as a copy (its first-step ``momentum_buffer = grad``), returns at once when its
+  ``found_inf`` input is 1.0, so a good step copies nothing (``_copy_if``). Tensors it cannot take
+  (bfloat16/float16, non-contiguous, other devices) are copied every step and selected back over
+  their bits. The copies are buffers the guard keeps (one more copy of the parameters and their
+  state in memory).
+
+During ``step()`` the wrapped optimizer carries ``fxdebug_skipped`` (the flag) for its step hooks:
+``ParamUpdates`` shows a step taken back as an update of 0.
 
 A bad step therefore leaves the optimizer exactly as a run that never saw that batch: later steps
 match that run bit for bit. ``int(g.skipped)`` reads how many steps were skipped (the one sync,
