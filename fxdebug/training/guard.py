@@ -498,7 +498,7 @@ class _Plan:
         for i, (dev, ts, bs, scratch) in enumerate(list(self.copies)):
             try:
                 _copy_if(bs, ts, scratch, _on(self._skip, dev))
-            except (RuntimeError, NotImplementedError):  # a torch build or device without the kernel: copy always
+            except (RuntimeError, NotImplementedError, AttributeError):  # a torch build or device without the kernel: copy always
                 self.copies.remove((dev, ts, bs, scratch))
                 self._select(list(zip(ts, bs)))
         if self.saved[0]:
