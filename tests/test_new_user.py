@@ -27,7 +27,8 @@ class PoolNet(nn.Module):
 
 def test_torch_save_of_a_model_calling_f_max_pool2d():
     x = torch.randn(1, 1, 28, 28)
-    dbg = fxdebug.instrument(PoolNet(), [StatCollector()], example_inputs=(x,))
+    # pickling a symbolic graph that calls F.max_pool2d (a boolean-dispatch function) is the subject
+    dbg = fxdebug.instrument(PoolNet(), [StatCollector()], example_inputs=(x,), frontend="symbolic")
     buf = io.BytesIO()
     torch.save(dbg, buf)
     buf.seek(0)
