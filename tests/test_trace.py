@@ -121,13 +121,14 @@ def test_scenario_one_flatten_linear_mismatch():
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
-def test_runtime_op_failure_names_the_node():
+@pytest.mark.parametrize("frontend", ["auto", "dynamo"])  # fc a module call (symbolic) or torch.linear (Dynamo)
+def test_runtime_op_failure_names_the_node(frontend):
     model, (x,) = ZOO["functional_ops"]()
-    dbg = fxdebug.instrument(model, passes=[], example_inputs=(x,))
+    dbg = fxdebug.instrument(model, passes=[], example_inputs=(x,), frontend=frontend)
     with pytest.raises(fxdebug.ShapeMismatchError) as err:
         dbg(torch.randn(2, 4, 6, 6))  # 6x6 input: fc sees the wrong number of features
     assert err.value.node == "fc"
-    assert "in_features=128" in str(err.value)
+    assert "in_features=128" in str(err.value) and "set in_features=72" in str(err.value)
 
 
 def test_non_shape_errors_keep_their_type_and_gain_a_note():

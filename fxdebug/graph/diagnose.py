@@ -76,7 +76,10 @@ _CONV_FUNCTIONS = {"conv1d": 1, "conv2d": 2, "conv3d": 3}
 
 
 def _function_fix(node: Node, args: Any) -> str:
-    """The conv advice for ``F.conv2d`` / ``torch.conv2d`` calls (a bare conv root traces to one)."""
+    """The conv advice for ``F.conv2d`` / ``torch.conv2d`` calls (a bare conv root traces to one), the
+    in_features advice for ``F.linear`` / ``torch.linear`` (how Dynamo and export graphs call a Linear)."""
+    if getattr(node.target, "__name__", "") == "linear" and node.op == "call_function":
+        return _linear_fix(args)
     dims = _CONV_FUNCTIONS.get(getattr(node.target, "__name__", ""))
     if node.op != "call_function" or dims is None or not isinstance(args, (tuple, list)) or len(args) < 2:
         return ""
@@ -85,6 +88,17 @@ def _function_fix(node: Node, args: Any) -> str:
         return ""
     groups: Any = args[6] if len(args) > 6 and isinstance(args[6], int) else node.kwargs.get("groups", 1)
     return _conv_fix(f"conv{dims}d", x, weight.shape[1] * int(groups or 1), dims)
+
+
+def _linear_fix(args: Any) -> str:
+    x = args[0] if isinstance(args, (tuple, list)) and len(args) >= 2 else None
+    weight = args[1] if x is not None else None
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or weight.dim() != 2 or x.dim() == 0:
+        return ""
+    if x.shape[-1] == weight.shape[1]:
+        return ""
+    return (f" linear has in_features={weight.shape[1]} but receives {x.shape[-1]}:"
+            f" set in_features={x.shape[-1]} (or use nn.LazyLinear).")
 
 
 def _conv_fix(name: str, x: Tensor, in_channels: int, dims: int) -> str:
