@@ -76,3 +76,17 @@ def test_svg_colours_the_most_sensitive_modules(tmp_path):
     text = Path(path).read_text()
     assert "<svg" in text and "hot: sensitivity 1" in text  # live: the most sensitive, a hot spot
     assert text.count("hot: sensitivity") == 1  # dead: share 0
+
+
+@pytest.mark.parametrize("frontend", ["export", "dynamo"])
+def test_shares_land_on_modules_called_as_functions(frontend):
+    """Export and Dynamo graphs call a Linear as torch.linear: the share still lands on the module's output."""
+    from fxdebug.numerics.sensitivity import _ShareAnnotation
+
+    torch.manual_seed(0)
+    model, x = _Gated(), torch.randn(5, 6)
+    dbg = fxdebug.instrument(model, [_ShareAnnotation({"live": 1.0, "dead": 0.0})], example_inputs=(x,),
+                             frontend=frontend)
+    dbg(x)
+    assert {r["module"]: r["sensitivity"] for r in dbg.report().rows if r.get("sensitivity") is not None} == \
+        {"live": 1.0, "dead": 0.0}

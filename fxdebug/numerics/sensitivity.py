@@ -212,13 +212,13 @@ def _ShareAnnotation(shares: dict[str, float]) -> Any:
         def run(self, gm: Any, ctx: Any) -> Any:
             from fxdebug.graph.meta import module_path
 
-            added = []
-            done: set[str] = set()
+            # each module's output: its call (symbolic) or the last op it ran (torch.linear in Dynamo and export graphs)
+            last: dict[str, Any] = {}
             for node in ctx.nodes(gm, None, tensor_outputs=True):
                 path = module_path(node)
-                if node.op == "call_module" and path in shares and path not in done:
-                    done.add(path)
-                    added.append(ctx.observe(node, _share_probe(shares[path])))
+                if node.op in ("call_module", "call_function", "call_method") and path in shares:
+                    last[path] = node
+            added = [ctx.observe(node, _share_probe(shares[path])) for path, node in last.items()]
             return PassResult(gm, added=[a for a in added if a is not None])
 
     return ShareAnnotation()
