@@ -56,7 +56,8 @@ def test_custom_pass_through_instrument_counts_and_provenance():
     assert "layer1_0_conv1" in observed and "fc" not in observed
     result = dbg.pass_results[0]
     assert result.pass_name == "zero-count" and len(result.added) == len(observed)
-    obs_nodes = [n for n in dbg.graph.nodes if fxdebug.fx_meta(n).get("role") == "instrumentation"]
+    obs_nodes = [n for part in dbg.parts().values() for n in part.graph.nodes
+                 if fxdebug.fx_meta(n).get("role") == "instrumentation"]
     assert {fxdebug.fx_meta(n)["added_by"] for n in obs_nodes} == {"zero-count"}
 
 
