@@ -560,3 +560,17 @@ def test_shape_assert_holds_the_first_capture_expectation_across_recompiles():
     linear.double()
     with pytest.raises(fxdebug.ShapeMismatchError, match=r"produced float64 \(N, 4\); expected float32 \(N, 4\)"):
         dbg(torch.randn(3, 4, dtype=torch.float64))
+
+
+def test_channel_maxima_for_merging_ranks_come_from_every_capture():
+    # report(all_ranks=True) merges dead_frac by per-channel maxima; they were read from one capture's observers
+    # per node (the instrument-time graph, 0 calls after a no_grad recompile): no maxima, dead_frac None
+    from fxdebug.report.distributed import channel_maxima
+
+    model, x = MLP(), torch.randn(3, 4)
+    dbg = _dbg(model, x)
+    with torch.no_grad():
+        dbg(x)
+        expected = torch.relu(model.fc1(x)).amax(0)
+    assert len(dbg.parts()) == 2
+    assert channel_maxima(dbg)["relu"] == pytest.approx(expected.tolist())
