@@ -120,7 +120,8 @@ def _observer_node(gm: GraphModule, node: Node, observer: Observer, after: Node,
     ``graph.edits.insert_after`` and ``NodeMeta.watch`` give it, made directly: the module was
     registered a line before, so ``Graph.call_module``'s lookup of it is skipped (one per node)."""
     target = _register(gm, f"obs_{node.name}", observer)
-    new = gm.graph.create_node("call_module", target, (node,), {})
+    # name=: what FX derives from the target anyway (its snake-casing is a no-op on a lower-case one)
+    new = gm.graph.create_node("call_module", target, (node,), {}, name=target if target == target.lower() else None)
     after.append(new)  # moved in place: no insert-point context per node
     beside = node.meta.get(KEY, _NONE)
     meta: dict[str, object] = {"module_type": "Observer", "module": module_path(node)}
