@@ -14,6 +14,7 @@ import time
 from typing import Any, Sequence
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.fx import GraphModule
 
 from fxdebug.report.distributed import unwrap_parallel
@@ -23,6 +24,7 @@ from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
 from fxdebug.graph.meta import graph_record
+from fxdebug.authoring.context import NAMESPACE
 from fxdebug.instrumented.modes import remember
 from fxdebug.authoring.pipeline import Pass, validate_passes
 from fxdebug.render.draw import render as draw
@@ -203,6 +205,17 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
     elif isinstance(model, Instrumented):
         raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
                          f"{model.trace_info.frontend}: instrument the original model instead.")
+    clash = NAMESPACE in model._modules or NAMESPACE in model._parameters or NAMESPACE in model._buffers
+    if clash or NAMESPACE in model.__dict__:
+        raise TraceError(f"{type(model).__name__} has an attribute named '{NAMESPACE}', the name of fxdebug's own namespace "
+                         "in instrumented graphs (its observers and constants live there): rename it, or use "
+                         "frontend='subtrees' (the root stays eager).", module=NAMESPACE, op=type(model).__name__)
+    lazy = [path or type(model).__name__ for path, m in model.named_modules()
+             if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+    if lazy:  # the capture call would materialize them: instrument() never changes the model
+        raise TraceError(f"{type(model).__name__} has lazy module(s) not yet run ({', '.join(lazy[:5])}): capturing would "
+                         "materialize their parameters, changing the model. Run the model once first, then instrument it.",
+                         module=lazy[0], op="lazy module")
     gm = LiveInstrumented._live(model, passes, prior, notes)
     gm.__dict__["_example_inputs"] = example_inputs  # what gradcheck() and friends default to, as for a snapshot
     inputs = normalize_inputs(example_inputs)

@@ -574,3 +574,52 @@ def test_channel_maxima_for_merging_ranks_come_from_every_capture():
         expected = torch.relu(model.fc1(x)).amax(0)
     assert len(dbg.parts()) == 2
     assert channel_maxima(dbg)["relu"] == pytest.approx(expected.tolist())
+
+
+def test_constructs_dynamo_does_not_guard_are_refused_and_a_tensor_hook_is_kept():
+    # a global module hook after instrument ran silently without it; a child named 'fxdebug' failed with the
+    # model's own AttributeError; a lazy module was materialized by instrument(); a tensor hook in forward failed
+    # while learning shapes (no_grad)
+    x = torch.randn(2, 4)
+    model = MLP()
+    dbg = _dbg(model, x)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: None)
+    try:
+        with pytest.raises(fxdebug.TraceError, match="global module hook"):
+            dbg(x)
+    finally:
+        handle.remove()
+    assert torch.equal(dbg(x), model(x))  # removed: runs again
+
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fxdebug = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fxdebug(x)
+
+    with pytest.raises(fxdebug.TraceError, match="named 'fxdebug'"):
+        _dbg(Named(), x)
+    lazy = nn.Sequential(nn.LazyLinear(3))
+    with pytest.raises(fxdebug.TraceError, match="lazy module"):
+        _dbg(lazy, x)
+    assert isinstance(lazy[0], nn.LazyLinear)
+
+    class Reverse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.fc(x)
+            y.register_hook(lambda g: -g)
+            return y.sum()
+
+    model = Reverse()
+    dbg = _dbg(model, x)
+    dbg(x).backward()
+    grad = model.fc.weight.grad.clone()
+    model.zero_grad()
+    model(x).backward()
+    assert torch.equal(grad, model.fc.weight.grad)

@@ -72,6 +72,10 @@ class _SpecRecorder(Interpreter):
     def run_node(self, n: Node) -> Any:
         if is_instrumentation(n):
             return None
+        if (n.target if n.op == "call_method" else getattr(n.target, "__name__", None)) == "register_hook":
+            # a tensor hook (Dynamo's graphs keep it as an op returning the tensor): nothing to learn, and under
+            # no_grad torch refuses it
+            return None if n.op == "call_method" else self.fetch_args_kwargs_from_env(n)[0][0]
         try:
             value = super().run_node(n)
         except FxDebugError:

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _pu
 
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
+from fxdebug.capture.live import _global_hook_count
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, Prepared, backend, dynamo_config, live, prepare
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import TraceOptions
@@ -101,6 +102,7 @@ class LiveInstrumented(Instrumented):
         state["_namer"] = NodeNamer()
         state["_lock"] = threading.RLock()
         state["_calls"] = 0
+        state["_globals"] = _global_hook_count()  # Dynamo does not guard global module hooks: checked per call
         had_flag = "_is_torch_compile" in model.__dict__
         state["_compiled"] = torch.compile(model, backend=backend)
         if not had_flag:  # torch.compile marks the module it wraps; the model is never changed
@@ -123,6 +125,13 @@ class LiveInstrumented(Instrumented):
         ``TraceError``s at any call.
         """
         self.__dict__["_calls"] += 1
+        if _global_hook_count() != self.__dict__["_globals"]:
+            self.__dict__["_calls"] -= 1
+            raise TraceError(
+                f"a global module hook (torch.nn.modules.module.register_module_forward_hook and kin) was registered or "
+                f"removed after {type(self._model).__name__} was instrumented; TorchDynamo does not guard on global hooks, "
+                "so the captured graphs would run as before. Instrument again after registering it.",
+                module="", op="global hook")
         captured = len(self.__dict__["_parts"])
         try:
             if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
@@ -293,6 +302,16 @@ class LiveInstrumented(Instrumented):
 
     def _own_observers(self) -> dict[str, Observer]:
         return {}
+
+    def channel_maxima(self) -> dict[str, list[float]]:
+        """``{node: per-channel max}`` over every capture (``report(all_ranks=True)`` merges ranks by them): the
+        elementwise max where several captures ran a node (``observers()`` holds one capture's observer per name)."""
+        out: dict[str, list[float]] = {}
+        for found in self.__dict__["_parts"].values():
+            for name, values in channel_maxima(found.part).items():
+                have = out.get(name)
+                out[name] = values if have is None or len(have) != len(values) else [max(a, b) for a, b in zip(have, values)]
+        return out
 
     def train(self, mode: bool = True) -> "LiveInstrumented":
         self._model.train(mode)
