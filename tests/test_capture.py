@@ -93,7 +93,7 @@ def test_where_limits_the_nodes_a_capture_may_match():
     stem_only = Capture(["stem.2", "*_0"], where="stem")
     dbg = fxdebug.instrument(model, [everything_in_layer1, stem_only], example_inputs=(x,))
     dbg(x)
-    by_name = {n.name: n for n in dbg.graph.nodes}
+    by_name = {n.name: n for part in dbg.parts().values() for n in part.graph.nodes}
     layer1 = list(everything_in_layer1.activations)
     assert len(layer1) > 10 and all(fxdebug.authoring.module_path(by_name[n]).startswith("layer1.") for n in layer1)
     # "*_0" alone would also match layer2_0_downsample_0; where="stem" keeps the stem's conv
