@@ -242,3 +242,55 @@ def test_verify_runs_on_a_live_module_and_leaves_its_report_alone():
     assert list(dbg.parts()) == parts  # the eval-mode graph verify captured is dropped again
     assert {r["node"]: r["calls"] for r in dbg.report().rows} == before
     assert dbg.report().calls == 1
+
+
+def test_the_dynamo_column_of_docs_faithful():
+    # docs/faithful.md's "dynamo" column, checked: instrument() leaves RNG and containers alone; Python/numpy draws,
+    # a parametrization added later, a root full backward hook, a submodule hook set before are kept; dbg.modules()
+    # are the model's own
+    import random
+
+    import numpy as np
+    import torch.nn.utils.parametrize as parametrize
+
+    class Draw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.items = nn.Linear(4, 4), []
+
+        def forward(self, x):
+            self.items.append(1)
+            return self.fc(x) * random.random() + float(np.random.rand())
+
+    x = torch.randn(2, 4)
+    model = Draw()
+    random.seed(0)
+    np.random.seed(0)
+    state = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(x,), frontend="dynamo")
+    assert random.getstate() == state[0] and (np.random.get_state()[1] == state[1]).all()
+    assert torch.equal(torch.get_rng_state(), state[2]) and model.items == []
+    outs = []
+    for seed in (5, 5, 6):
+        random.seed(seed)
+        np.random.seed(seed)
+        outs.append((dbg if len(outs) != 1 else model)(x))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])  # drawn at every call, as the model
+
+    class Sym(nn.Module):
+        def forward(self, w):
+            return (w + w.T) / 2
+
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    seq[2].register_forward_hook(lambda m, i, o: o * 2)  # before instrument
+    dbg = fxdebug.instrument(seq, [NaNCheck()], example_inputs=(x,), frontend="dynamo")
+    assert any(m is seq[1] for m in dbg.modules())
+    parametrize.register_parametrization(seq[0], "weight", Sym())  # after instrument
+    seen = []
+    seq.register_full_backward_hook(lambda m, gi, go: seen.append(gi[0].clone()))
+    xi, xj = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out = dbg(xi)
+    assert torch.equal(out, seq(x))
+    out.sum().backward()
+    seq(xj).sum().backward()
+    assert len(seen) == 2 and torch.equal(seen[0], seen[1]) and torch.equal(xi.grad, xj.grad)

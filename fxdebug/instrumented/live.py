@@ -55,6 +55,8 @@ from fxdebug.runtime.observer import Observer
 __all__ = ["LiveInstrumented"]
 
 _SAVED = "dynamo (before the module was saved and loaded, or copied): "
+# Dynamo warns when it graph-breaks on a builtin it cannot trace (random.random): the report's notes name the break
+_BREAK_WARNING = r"Dynamo does not know how to trace"
 _GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
 _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
                "eagerly between graphs (after a graph break) did not")
@@ -140,6 +142,7 @@ class LiveInstrumented(Instrumented):
                 with live(self), dynamo_config(not self.__dict__.get("_ran")), warnings.catch_warnings():
                     # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
                     warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
+                    warnings.filterwarnings("ignore", message=_BREAK_WARNING, category=UserWarning)
                     try:
                         out = self.__dict__["_compiled"](*args, **kwargs)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
@@ -219,6 +222,7 @@ class LiveInstrumented(Instrumented):
             try:
                 with live(self), dynamo_config(not self.__dict__.get("_ran")), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
+                    warnings.filterwarnings("ignore", message=_BREAK_WARNING, category=UserWarning)
                     return self.__dict__["_compiled"](*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
                 self._raise_typed(args, kwargs, exc)
