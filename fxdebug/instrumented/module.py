@@ -98,7 +98,7 @@ class Instrumented(GraphModule):
         if isinstance(self._graph._codegen, _PyTreeCodeGen):  # what GraphModule.recompile sets first
             self._in_spec = self._graph._codegen.pytree_info.in_spec
             self._out_spec = self._graph._codegen.pytree_info.out_spec
-        cls.forward = Instrumented._lazy_forward  # type: ignore[method-assign]
+        cls.forward = Instrumented._lazy_forward
         cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
         return None
 
