@@ -93,12 +93,27 @@ def test_training_through_the_live_module_trains_the_model():
 
 
 def test_reset_and_to_module():
-    dbg = _dbg(MLP(), torch.randn(2, 4))
-    dbg(torch.randn(2, 4))
+    model, x = MLP(), torch.randn(2, 4)
+    dbg = _dbg(model, x)
+    dbg(x)
     dbg.reset()
     assert dbg.report().calls == 0
-    with pytest.raises(UsageError, match="symbolic"):
-        dbg.to_module()
+    # to_module(): a plain snapshot module of the model as it is now (it refused on a live capture)
+    model.fc2 = nn.Linear(8, 2)
+    plain = dbg.to_module()
+    assert isinstance(plain, torch.fx.GraphModule) and not isinstance(plain, fxdebug.Instrumented)
+    assert torch.equal(plain(x), model(x))
+    assert not any("fxdebug" in str(n.target) for n in plain.graph.nodes)
+
+    class Item(nn.Module):  # symbolic tracing cannot; without example inputs export cannot run either
+        def forward(self, x):
+            x = x.clone()
+            x[:, 0] = 0.0
+            return x
+
+    bare = fxdebug.instrument(Item(), [NaNCheck()], frontend="dynamo")
+    with pytest.raises(UsageError, match="export needs the example inputs"):
+        bare.to_module()
 
 
 def test_deepcopy_is_a_live_module_over_a_copy():

@@ -398,8 +398,25 @@ class LiveInstrumented(Instrumented):
         """Shapes are learnt from the arguments of each graph's first call."""
 
     def to_module(self, shrink: bool = False) -> nn.Module:
-        raise UsageError("to_module() makes one plain GraphModule, and a live (Dynamo) capture is a set of graphs "
-                         "around eager code: instrument with frontend='symbolic' (or 'export') to get one.")
+        """A plain ``GraphModule`` of the model as it is now: a live capture is graphs around eager code, so this is
+        one snapshot graph (symbolic tracing, else ``torch.export`` on the example inputs ``instrument()`` was given).
+        The live passes are observe-only: the plain module has none of them, as ``to_module()`` of any capture."""
+        from fxdebug.instrumented.pipeline import capture_module
+
+        inputs = normalize_inputs(self.__dict__.get("_example_inputs"))
+        why = []
+        for frontend in ("symbolic", "export"):
+            if frontend == "export" and inputs is None:
+                why.append("export needs the example inputs, and instrument() was given none")
+                break
+            try:
+                snapshot = capture_module(frontend, self._model, inputs, TraceOptions())
+            except TraceError as exc:
+                why.append(f"{frontend}: {exc.message}")
+                continue
+            return snapshot.to_module(shrink=shrink)
+        raise UsageError("to_module() makes one plain GraphModule, a snapshot of the model, and none could be captured ("
+                         + "; ".join(why) + "). A live (Dynamo) capture is graphs around eager code, not one module.")
 
     def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
         """Draw the largest captured graph, annotated with the report over every capture."""
