@@ -638,3 +638,14 @@ def test_constructs_dynamo_does_not_guard_are_refused_and_a_tensor_hook_is_kept(
     model.zero_grad()
     model(x).backward()
     assert torch.equal(grad, model.fc.weight.grad)
+
+
+def test_hooks_registered_on_the_live_module_itself_run():
+    # dbg's own hooks (fully_shard(dbg) gathers parameters in one) never ran: the live call bypassed nn.Module's
+    model, x = MLP(), torch.randn(2, 4)
+    dbg = _dbg(model, x)
+    dbg.register_forward_pre_hook(lambda m, args: (args[0] * 0,))
+    seen = []
+    dbg.register_forward_hook(lambda m, args, out: seen.append(out.shape))
+    assert torch.equal(dbg(x), model(x * 0)) and seen == [(2, 2)]
+    assert dbg.report().calls == 1

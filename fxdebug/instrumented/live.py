@@ -113,7 +113,7 @@ class LiveInstrumented(Instrumented):
 
     def recompile(self) -> Any:
         code = GraphModule_recompile(self)
-        type(self).__call__ = _LIVE_CALL  # type: ignore[method-assign]
+        type(self).__call__ = _call  # type: ignore[method-assign]
         type(self).forward = _LIVE_CALL
         return code
 
@@ -471,6 +471,17 @@ class LiveInstrumented(Instrumented):
 # session stack) and compile dozens of small frames; the call is the live module's own Dynamo capture: skipped
 # by the outer one, which runs it as it is (the inner capture instruments and observes every graph).
 _LIVE_CALL = torch._dynamo.disable(LiveInstrumented._live_call)
+_OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _call(self: LiveInstrumented, *args: Any, **kwargs: Any) -> Any:
+    """``dbg(...)``: the live call; through ``nn.Module``'s call when hooks were registered on the live module itself
+    (``fully_shard(dbg)`` gathers the parameters in its pre-forward hook; a user's hook on ``dbg``). The model's own
+    hooks run inside the live call, as the model's."""
+    state = self.__dict__
+    if any(state.get(name) for name in _OWN_HOOKS):
+        return nn.Module._call_impl(self, *args, **kwargs)
+    return _LIVE_CALL(self, *args, **kwargs)
 
 
 @dataclass
