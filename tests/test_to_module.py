@@ -101,7 +101,7 @@ def test_subtrees_detector_to_module_keeps_the_eager_root_and_plain_parts():
 def test_instrumented_module_is_unchanged_by_to_module():
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
-    # a snapshot graph that to_module() must leave as it is (a live module refuses to_module: one graph needed)
+    # a snapshot graph that to_module() must leave as it is (its own graph: the subject)
     dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,), frontend="symbolic")
     before = len(list(dbg.graph.nodes))
     dbg.to_module()
