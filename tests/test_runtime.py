@@ -224,11 +224,16 @@ def test_fallback_is_chosen_and_reported_without_the_kernel(tmp_path):
         "r = dbg.report()\n"
         "print(fxdebug.runtime.backend())\n"
         "print(r.row('_1')['count'], any('pure-torch' in n for n in r.notes), r.row('_1')['grad_count'])\n"
+        "from fxdebug.runtime.kernel import tick_op\n"
+        "with torch.no_grad():\n"
+        "    dbg(x)\n"
+        "c = dbg._clock()\n"
+        "print(tick_op() is None, int(c.table[0]), c.calls)\n"  # the clock ticks through a view of slot 0 instead
     )
     env = dict(os.environ, FXDEBUG_NO_KERNEL="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["torch", "8", "True", "8"]
+    assert out.stdout.split() == ["torch", "8", "True", "8", "True", "1", "2"]
 
 
 def test_native_kernel_is_in_use_here():
@@ -301,3 +306,37 @@ def test_the_clock_advances_through_one_cached_view():
     # (and an nn.Module setattr) was made on every call
     assert cached is not None and clock._tick is cached
     assert clock.table is not None and int(clock.table[0]) == clock.calls - 1
+
+
+def test_the_clock_ticks_through_the_cpp_op():
+    from fxdebug.runtime.kernel import tick_op
+    from fxdebug.runtime.observer import Clock
+
+    op = tick_op()
+    assert op is not None  # the C++ build is there (test_native_kernel_is_in_use_here)
+    table = init_table(3, [], "cpu")
+    before = table.clone()
+    version = table._version
+    for _ in range(3):
+        op(table)
+    assert table[0] == before[0] + 3 and torch.equal(table[1:], before[1:])  # slot 0 only
+    assert table._version > version  # as an in-place add would: readers keyed on _version see the change
+    for t in (torch.zeros(4, dtype=torch.float32), torch.zeros(8, dtype=torch.float64)[2:]):  # other dtypes, an offset view
+        op(t)
+        assert t.tolist()[0] == 1.0 and not any(t.tolist()[1:])
+    op(torch.zeros(4, dtype=torch.float64, device="meta"))  # statistics kept on meta: no data, no error
+
+    model, (x,) = ZOO["functional_ops"]()
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,))
+    clock = next(m for m in dbg.modules() if isinstance(m, Clock))
+    dbg.reset()
+    with torch.no_grad():
+        for _ in range(4):
+            out = dbg(x)
+        ref = model(x)
+    assert torch.equal(out, ref)
+    assert clock.calls == 4 and int(clock.table[0]) == 3
+    assert dbg.report().row("fc")["count"] == 4 * ref.numel()
+    before = clock._host_calls
+    clock.forward(x)  # the eager path keeps its host count in the instance dict, with no nn.Module setattr
+    assert clock.__dict__["_host_calls"] == before + 1 and int(clock.table[0]) == 4

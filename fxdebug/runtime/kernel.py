@@ -45,7 +45,7 @@ from fxdebug.errors import UsageError
 from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 
 __all__ = ["KERNELS", "active", "backend", "fallback_reason", "fused_compile", "load", "observe_grad_many_op", "observe_grad_op",
-           "observe_many_op", "observe_op", "requested", "runtime_notes", "use"]
+           "observe_many_op", "observe_op", "requested", "runtime_notes", "tick_op", "use"]
 
 KERNELS = ("cpp", "triton", "torch")
 
@@ -211,6 +211,8 @@ def load() -> str:
         lib.impl("observe_many", observe_many_torch, "CompositeExplicitAutograd")
         torch.library.register_fake("fxdebug::observe", _fake, lib=fragment)
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=fragment)
+        if _has_tick():
+            torch.library.register_fake("fxdebug::tick", _fake_tick, lib=fragment)
         mode = os.environ.get("FXDEBUG_COMPILE_STATS", "extern").strip().lower() or "extern"
         if mode not in ("extern", "inline"):
             raise UsageError(f"FXDEBUG_COMPILE_STATS={mode!r}: expected 'extern' (default) or 'inline'")
@@ -347,6 +349,28 @@ def _defined() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def _has_tick() -> bool:
+    try:
+        torch.ops.fxdebug.tick.default  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _fake_tick(table: Any) -> None:
+    return None
+
+
+def tick_op() -> Any:
+    """The clock's tick, ``fxdebug::tick(table)`` (slot 0 of the state table += 1, one store on CPU),
+    as the dispatcher's own callable (no ``OpOverload.__call__`` frame); ``None`` where the C++
+    build is absent (``FXDEBUG_NO_KERNEL=1``, no compiler): the clock then adds to a view of slot 0."""
+    load()
+    if not _has_tick():
+        return None
+    return torch.ops.fxdebug.tick.default._op
 
 
 def _fake(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:
