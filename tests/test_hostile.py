@@ -84,7 +84,8 @@ def test_not_a_module() -> None:
 
 def test_forward_that_raises_is_a_trace_error() -> None:
     with pytest.raises(fxdebug.TraceError, match="broken forward") as e:
-        fxdebug.instrument(Boom(), passes=[])
+        dbg = fxdebug.instrument(Boom(), passes=[])  # a snapshot frontend traces here ...
+        dbg(X)  # ... a live one runs nothing before the first call: the TraceError comes there
     sentence(e.value)
     with pytest.raises(fxdebug.TraceError, match="Boom's own forward raised RuntimeError") as e:
         fxdebug.instrument(Boom(), passes=[], example_inputs=(X,))  # regression: was a raw RuntimeError
