@@ -17,6 +17,9 @@ render time and SVG size at the default depth.
 
 ``--suite debug`` runs the debugging-size suite instead (``tools/bench_debug.py``: ≥10 real
 architectures at batch 1–2, one thread, side by side with seed-style and one-sum hooks).
+``--suite calls`` runs paired per-call microbenchmarks of the instrumented forward's fixed costs
+(``tools/bench_calls.py``: the clock, the call wrappers), for loaded machines where whole-model
+ratios move by more than those costs.
 
 The table is printed and written to ``--out``. ``--quick`` shrinks the models and runs so the
 whole thing finishes in well under a minute; it skips ``torch.compile`` unless ``--compile``.
@@ -322,8 +325,12 @@ def main(argv: list[str] | None = None) -> str:
     if "--suite" in argv:  # ``--suite debug``: the debugging-size suite (tools/bench_debug.py)
         i = argv.index("--suite")
         suite, rest = (argv[i + 1] if i + 1 < len(argv) else ""), argv[:i] + argv[i + 2:]
+        if suite == "calls":  # paired per-call microbenchmarks (tools/bench_calls.py)
+            import bench_calls
+
+            return bench_calls.run(bench_calls.parse(rest), machine)
         if suite != "debug":
-            raise SystemExit(f"bench.py: unknown suite {suite!r}; the suites are: debug (or none: the full-size runs)")
+            raise SystemExit(f"bench.py: unknown suite {suite!r}; the suites are: debug, calls (or none: the full-size runs)")
         import bench_debug
 
         return bench_debug.run(bench_debug.parse(rest), machine)
