@@ -14,7 +14,7 @@ import time
 from typing import Any, Sequence
 
 from torch import nn
-from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.parameter import UninitializedParameter
 from torch.fx import GraphModule
 
 from fxdebug.report.distributed import unwrap_parallel
@@ -211,7 +211,7 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
                          "in instrumented graphs (its observers and constants live there): rename it, or use "
                          "frontend='subtrees' (the root stays eager).", module=NAMESPACE, op=type(model).__name__)
     lazy = [path or type(model).__name__ for path, m in model.named_modules()
-             if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+            if any(isinstance(p, UninitializedParameter) for p in m._parameters.values())]
     if lazy:  # the capture call would materialize them: instrument() never changes the model
         raise TraceError(f"{type(model).__name__} has lazy module(s) not yet run ({', '.join(lazy[:5])}): capturing would "
                          "materialize their parameters, changing the model. Run the model once first, then instrument it.",
