@@ -23,7 +23,7 @@ import gc
 import time
 import warnings
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -102,25 +102,11 @@ class Instrumented(GraphModule):
         cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
         return None
 
-    @torch.compiler.disable
     def real_recompile(self) -> Any:
         """Generate the module's Python code now if the graph changed since (``None`` if it had not)."""
         if not self.__dict__.get("_fxdebug_stale_code"):
             return None
-        self.__dict__["_fxdebug_stale_code"] = False
-        cls = type(self)
-        own = vars(cls).get("forward")
-        collecting = gc.isenabled()
-        gc.disable()  # code generation allocates per node and frees nothing: no collector sweeps meanwhile
-        try:
-            code = GraphModule.recompile(self)
-        finally:
-            if collecting:
-                gc.enable()
-        cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
-        if own is not None and own is not Instrumented._lazy_forward:
-            cls.forward = own  # a subclass's own forward (the subtrees' eager root) stays
-        return code
+        return _generate(self)
 
     def _lazy_forward(self, *args: Any, **kwargs: Any) -> Any:
         self.real_recompile()
@@ -327,6 +313,29 @@ class Instrumented(GraphModule):
                   if not k.startswith("_") and k not in ("training", "meta") and not callable(v)}
         return (_load_instrumented, (serialize_graph(self.graph), holder, self.meta, extras,
                                      encode_pytree_info(self.graph)))
+
+
+def _generate_code(gm: Instrumented) -> Any:
+    """``GraphModule.recompile`` for a stale ``Instrumented`` (its own call and forward kept)."""
+    gm.__dict__["_fxdebug_stale_code"] = False
+    cls = type(gm)
+    own = vars(cls).get("forward")
+    collecting = gc.isenabled()
+    gc.disable()  # code generation allocates per node and frees nothing: no collector sweeps meanwhile
+    try:
+        code = GraphModule.recompile(gm)
+    finally:
+        if collecting:
+            gc.enable()
+    cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
+    if own is not None and own is not Instrumented._lazy_forward:
+        cls.forward = own  # a subclass's own forward (the subtrees' eager root) stays
+    return code
+
+
+# run eagerly, never traced: a compiled call of a module whose code is not generated yet generates it first
+_disable: Any = torch.compiler.disable  # (unannotated in torch)
+_generate: Callable[[Instrumented], Any] = _disable(_generate_code)
 
 
 class _Holder(nn.Module):
