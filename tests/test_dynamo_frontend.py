@@ -649,3 +649,19 @@ def test_hooks_registered_on_the_live_module_itself_run():
     dbg.register_forward_hook(lambda m, args, out: seen.append(out.shape))
     assert torch.equal(dbg(x), model(x * 0)) and seen == [(2, 2)]
     assert dbg.report().calls == 1
+
+
+
+def test_other_compiled_modules_filling_dynamos_shared_entry_do_not_stop_capture():
+    # torch.compile(module) enters through one wrapper code object shared by every compiled module of the process;
+    # once anyone's torch.compile calls hit its recompile limit, every new live module ran eagerly: no graph, no rows
+    import warnings
+
+    x = torch.randn(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(70):
+            torch.compile(nn.Identity(), backend="eager")(x)
+    dbg = _dbg(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), x)
+    dbg(x)
+    assert len(dbg.parts()) == 1 and dbg.report().row("_0")["calls"] == 1

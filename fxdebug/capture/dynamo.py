@@ -135,7 +135,7 @@ class dynamo_config:  # noqa: N801 - used as a context manager, like torch's con
     ``torch._dynamo.config.patch(...)`` but without building a patch object per call (~20 µs).
     """
 
-    SETTINGS = {"skip_nnmodule_hook_guards": False, "allow_rnn": True, "recompile_limit": 64,
+    SETTINGS = {"skip_nnmodule_hook_guards": False, "allow_rnn": True, "recompile_limit": 256,
                 "accumulated_recompile_limit": 4096}
     # a module's first call (instrument()'s capture): static shapes without automatic-dynamic bookkeeping, about
     # a third less of Dynamo's tracing time on small models; a later shape change still makes dims dynamic (one

@@ -23,6 +23,7 @@ import inspect
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -105,10 +106,7 @@ class LiveInstrumented(Instrumented):
         state["_lock"] = threading.RLock()
         state["_calls"] = 0
         state["_globals"] = _global_hook_count()  # Dynamo does not guard global module hooks: checked per call
-        had_flag = "_is_torch_compile" in model.__dict__
-        state["_compiled"] = torch.compile(model, backend=backend)
-        if not had_flag:  # torch.compile marks the module it wraps; the model is never changed
-            model.__dict__.pop("_is_torch_compile", None)
+        state["_compiled"] = torch.compile(_entry(model), backend=backend)
         return gm
 
     def recompile(self) -> Any:
@@ -482,6 +480,27 @@ def _call(self: LiveInstrumented, *args: Any, **kwargs: Any) -> Any:
     if any(state.get(name) for name in _OWN_HOOKS):
         return nn.Module._call_impl(self, *args, **kwargs)
     return _LIVE_CALL(self, *args, **kwargs)
+
+
+def _entry(model: nn.Module) -> Any:
+    """``model(...)`` behind a code object of its own.
+
+    Dynamo keeps its compiled entries on the code object of the frame it compiles, with a recompile limit per code
+    object. ``torch.compile(module)`` enters through one wrapper function shared by every compiled module of the
+    process (``external_utils.wrap_inline``'s ``inner``): after some tens of live modules (a notebook, a test
+    session) the limit was hit and every new one ran eagerly, unobserved. A fresh copy of this trampoline's code
+    per model class keeps a class's entries, and its limit, to that class (instances of one class still share
+    Dynamo's cache: a second model of a class already captured costs only fxdebug's part).
+    """
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    # a new code object (same bytecode) per model class: Dynamo's cache is per code object
+    call.__code__ = _ENTRY_CODES.setdefault(type(model), call.__code__.replace())
+    return call
+
+
+_ENTRY_CODES: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
