@@ -378,7 +378,7 @@ class _Boom(nn.Module):
 def test_a_forward_that_cannot_run_is_a_trace_error_naming_the_line():
     x = torch.randn(2, 4)
     with pytest.raises(fxdebug.TraceError, match=r"_Boom's own forward raised RuntimeError on the example inputs: "
-                                                 r"broken forward \(at test_dynamo_frontend.py:\d+ `raise Runtime") as e:
+                                                 r"broken forward \(at test_dynamo_frontend.py:\d+") as e:
         fxdebug.instrument(_Boom(), [NaNCheck()], example_inputs=(x,), frontend="dynamo")
     assert isinstance(e.value.__cause__, RuntimeError)
     # without example inputs the first call is the capture: the same typed error there
