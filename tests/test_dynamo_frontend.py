@@ -665,3 +665,20 @@ def test_other_compiled_modules_filling_dynamos_shared_entry_do_not_stop_capture
     dbg = _dbg(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), x)
     dbg(x)
     assert len(dbg.parts()) == 1 and dbg.report().row("_0")["calls"] == 1
+
+
+def test_an_op_failing_on_the_first_call_run_eagerly_names_its_node():
+    # a frame Dynamo runs eagerly (disabled, a graph break, a skipped frame) raises the op's own RuntimeError: before
+    # a call had run it became the generic TraceError instead of the node-naming ShapeMismatchError
+    class Eager(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 2)
+
+        @torch._dynamo.disable
+        def forward(self, x):
+            return self.fc(x)
+
+    dbg = fxdebug.instrument(Eager(), [NaNCheck()], frontend="dynamo")
+    with pytest.raises(fxdebug.ShapeMismatchError, match="node 'fc'"):
+        dbg(torch.randn(2, 4))

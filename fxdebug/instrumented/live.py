@@ -157,6 +157,9 @@ class LiveInstrumented(Instrumented):
         except Exception as exc:
             if self.__dict__.get("_ran"):
                 raise
+            typed = _diagnosed(self._model, args, kwargs, exc)  # an op's shape/device problem names its node
+            if typed is not exc:
+                raise typed from exc
             raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
         self.__dict__["_ran"] = True
         if len(self.__dict__["_parts"]) > captured:  # this call captured: say which optional arguments were None
