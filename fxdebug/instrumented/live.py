@@ -158,7 +158,7 @@ class LiveInstrumented(Instrumented):
             if self.__dict__.get("_ran"):
                 raise
             typed = _diagnosed(self._model, args, kwargs, exc)  # an op's shape/device problem names its node
-            if typed is not exc:
+            if typed is not exc and not isinstance(typed, TraceError):  # (not symbolic tracing's own limits)
                 raise typed from exc
             raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
         self.__dict__["_ran"] = True
