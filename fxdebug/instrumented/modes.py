@@ -18,6 +18,7 @@ live in each mode's own observers: the report shows the current mode's.
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -88,7 +89,10 @@ _MISSING = object()
 
 def mode_key(root_training: bool, modules: Sequence[nn.Module]) -> ModeKey:
     """The training flags of the root and of every submodule, in order."""
-    return (root_training, *(m.training for m in modules))
+    return (root_training, *map(_TRAINING, modules))  # map + attrgetter: no generator frame per module (read every call)
+
+
+_TRAINING = operator.attrgetter("training")
 
 
 def _holds(guards: Guards) -> bool:
