@@ -89,6 +89,8 @@ _MISSING = object()
 
 def mode_key(root_training: bool, modules: Sequence[nn.Module]) -> ModeKey:
     """The training flags of the root and of every submodule, in order."""
+    if torch.compiler.is_compiling():  # Dynamo cannot call an attrgetter (a graph break)
+        return (root_training, *(m.training for m in modules))
     return (root_training, *map(_TRAINING, modules))  # map + attrgetter: no generator frame per module (read every call)
 
 
