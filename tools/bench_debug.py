@@ -44,7 +44,8 @@ from bench_models import (  # noqa: E402
 )
 
 Fn = Callable[[], Any]
-COMPILED = ("resnet50-style 2x3x112x112", "vit-s-style 2 blocks 1x3x64x64", "mlp 20x256 batch 2", "graph-2000")
+COMPILED = ("resnet50-style 2x3x112x112", "resnet18-style 1x3x64x64", "vit-s-style 2 blocks 1x3x64x64",
+            "hf gpt2 2L d64 2x16", "hf llama 2L d64 2x16", "mlp 20x256 batch 2", "graph-2000")  # issue 27: ResNet, ViT, GPT-2, LLaMA
 
 
 def _frontend(name: str) -> str:
