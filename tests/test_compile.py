@@ -71,3 +71,33 @@ def test_inductor_compiles_the_fused_op_in_place():
     assert report.row("_2")["calls"] == 3 and report.calls == 3
     assert report.row("_2")["count"] == 3 * 2 * 4 * 6 * 6
     torch._dynamo.reset()
+
+
+def test_inductor_observes_activations_in_the_layout_it_chose():
+    """The observe ops carry Tag.flexible_layout: Inductor hands the extern call each activation in
+    its own layout (channels last after a convolution) instead of writing an NCHW copy of it for the
+    call (a fused kernel named after the observe op); per-channel statistics equal the eager ones."""
+    import torch._dynamo
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 32, 3), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3), nn.BatchNorm2d(32), nn.ReLU()).eval()
+    x = torch.randn(1, 3, 16, 16)
+    eager = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,), frontend="symbolic")
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,), frontend="symbolic")
+    assert torch.Tag.flexible_layout in torch.ops.fxdebug.observe.default.tags
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):  # the cache key ignores op tags
+        eager(x)
+        _, codes = run_and_get_code(torch.compile(dbg), x)
+    code = "\n".join(codes)
+    assert "fxdebug.observe" in code
+    copies = sorted({line.split("(")[0].strip() for line in code.splitlines()
+                     if "cpp_fused_" in line and "=" not in line and "observe" in line.split("(")[0]})
+    assert not copies, copies
+    a, b = eager.report(), dbg.report()
+    for name in ("_0", "_1", "_3", "_4"):
+        assert a.row(name)["count"] == b.row(name)["count"]
+        assert a.row(name)["mean"] == pytest.approx(b.row(name)["mean"], rel=1e-4, abs=1e-5)
+    torch._dynamo.reset()

@@ -345,12 +345,16 @@ void tick_autograd(at::Tensor& table) {
 
 }  // namespace
 
+// flexible_layout: the kernels read any strides (channels last natively, other layouts through a
+// copy), so Inductor passes each observed tensor in the layout it chose; under the default
+// (needs_exact_strides) it wrote an NCHW copy of every channels-last activation for the extern call.
 TORCH_LIBRARY_FRAGMENT(fxdebug, m) {
-  m.def("observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()");
-  m.def("observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()");
-  m.def("observe_grad(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()");
-  m.def("observe_grad_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()");
-  m.def("tick(Tensor(a!) table) -> ()");
+  const std::vector<at::Tag> flex{at::Tag::flexible_layout};
+  m.def("observe(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()", flex);
+  m.def("observe_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()", flex);
+  m.def("observe_grad(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()", flex);
+  m.def("observe_grad_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()", flex);
+  m.def("tick(Tensor(a!) table) -> ()", flex);
 }
 
 TORCH_LIBRARY_IMPL(fxdebug, CompositeExplicitAutograd, m) {

@@ -61,7 +61,7 @@ _STATE: dict[str, Any] = {"backend": None, "why": None, "libs": [], "cuda": "tor
 class _Library(Protocol):
     """What this module uses of ``torch.library.Library`` (whose methods torch leaves unannotated)."""
 
-    def define(self, schema: str) -> str: ...
+    def define(self, schema: str, alias_analysis: str = "", *, tags: tuple[Any, ...] = ()) -> str: ...
 
     def impl(self, op_name: str, fn: Callable[..., Any], dispatch_key: str = "") -> None: ...
 
@@ -199,12 +199,13 @@ def load() -> str:
         _STATE["libs"].append(fragment)
         lib: _Library = fragment
         if not have:
-            lib.define(_SCHEMA)
-            lib.define(_SCHEMA_MANY)
+            flex = (torch.Tag.flexible_layout,)  # any strides in; as the C++ definitions (observe.cpp)
+            lib.define(_SCHEMA, tags=flex)
+            lib.define(_SCHEMA_MANY, tags=flex)
             lib.impl("observe", _below_autograd, "Autograd")
             lib.impl("observe_many", _many_below_autograd, "Autograd")
-            lib.define(_SCHEMA_GRAD)
-            lib.define(_SCHEMA_GRAD_MANY)
+            lib.define(_SCHEMA_GRAD, tags=flex)
+            lib.define(_SCHEMA_GRAD_MANY, tags=flex)
             lib.impl("observe_grad", _observe_grad_py, "CompositeImplicitAutograd")
             lib.impl("observe_grad_many", _observe_grad_many_py, "CompositeImplicitAutograd")
         lib.impl("observe", observe_torch, "CompositeExplicitAutograd")
