@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxdebug
+from fxdebug.training import restore
 from fxdebug.passes import NaNCheck
 from syncs import CountSyncs
 
@@ -304,7 +305,6 @@ def bit_patterns(dtype: torch.dtype, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_conditional_copy_is_bit_exact_and_skips_on_the_flag(dtype: torch.dtype) -> None:
-    guard_module = __import__("sys").modules["fxdebug.training.guard"]
     sizes = [1, 5, 8, 17, 1000]  # vector body and scalar tail of the kernel
     src = [bit_patterns(dtype, n) for n in sizes]
     kept = [s.clone() for s in src]
@@ -312,9 +312,9 @@ def test_the_conditional_copy_is_bit_exact_and_skips_on_the_flag(dtype: torch.dt
     before = [d.clone() for d in dst]
     scratch = [torch.empty(n, dtype=dtype) for n in sizes]
     with CountSyncs() as counter:
-        guard_module._copy_if(dst, src, scratch, torch.ones(()))  # a good step: nothing moves
+        restore._copy_if(dst, src, scratch, torch.ones(()))  # a good step: nothing moves
     assert_bitwise(before, dst, "skipped copy")
-    guard_module._copy_if(dst, src, scratch, torch.zeros(()))  # a bad one: every bit copied
+    restore._copy_if(dst, src, scratch, torch.zeros(()))  # a bad one: every bit copied
     assert_bitwise(kept, dst, "copy")
     assert_bitwise(kept, src, "source")  # only read
     assert counter.syncs == 0
@@ -388,12 +388,11 @@ def test_other_dtypes_are_restored_bitwise(kind: str, dtype: torch.dtype) -> Non
 
 
 def test_without_the_conditional_copy_kernel_the_guard_copies_every_step_and_stays_exact(monkeypatch: Any) -> None:
-    guard_module = __import__("sys").modules["fxdebug.training.guard"]
 
     def missing(*args: Any) -> None:
         raise NotImplementedError("no _fused_sgd_ kernel for this device")
 
-    monkeypatch.setattr(guard_module, "_copy_if", missing)
+    monkeypatch.setattr(restore, "_copy_if", missing)
     data = batches()
     model, g = train("adamw", data, guarded=True, check_bad=True)
     assert g._plan is not None and not g._plan.copies and g._plan.saved[0]  # the fallback path ran

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fxdebug
+from fxdebug.training import restore
 from fxdebug.passes import GradientScale, ParamGrads, Profile, StatCollector
 from zoo import ZOO
 
@@ -85,15 +86,14 @@ def test_conditional_copy_kernel_is_bit_exact_on_cuda():
 
     from test_guard import bit_patterns
 
-    guard_module = sys.modules["fxdebug.training.guard"]
     for dtype in (torch.float32, torch.float64):
         src = [bit_patterns(dtype, n).cuda() for n in (1, 5, 8, 17, 100000)]
         kept = [s.clone() for s in src]
         dst = [torch.zeros_like(s) for s in src]
         scratch = [torch.empty_like(s) for s in src]
-        guard_module._copy_if(dst, src, scratch, torch.ones((), device="cuda"))
+        restore._copy_if(dst, src, scratch, torch.ones((), device="cuda"))
         assert all(int(d.abs().sum()) == 0 for d in dst)
-        guard_module._copy_if(dst, src, scratch, torch.zeros((), device="cuda"))
+        restore._copy_if(dst, src, scratch, torch.zeros((), device="cuda"))
         ints = torch.int32 if dtype == torch.float32 else torch.int64
         assert all(torch.equal(d.view(ints), k.view(ints)) for d, k in zip(dst, kept))
         assert all(torch.equal(s.view(ints), k.view(ints)) for s, k in zip(src, kept))
