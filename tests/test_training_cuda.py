@@ -82,8 +82,6 @@ def test_guard_on_cuda_restores_bitwise_without_a_sync(kind):
 
 
 def test_conditional_copy_kernel_is_bit_exact_on_cuda():
-    import sys
-
     from test_guard import bit_patterns
 
     for dtype in (torch.float32, torch.float64):
