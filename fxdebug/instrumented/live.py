@@ -19,37 +19,35 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import threading
 import time
 import warnings
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, GraphModule
 from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _push_mode,
                                           any_torch_dispatch_mode_on_stack)
 
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
 from fxdebug.capture.live import _global_hook_count
-from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, Prepared, backend, dynamo_config, live, prepare
+from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, backend, dynamo_config, live, prepare
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import TraceOptions
-from fxdebug.capture.graphs import SymbolicFrontend
 from fxdebug.errors import FxDebugError, TraceError, UsageError
-from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
+from fxdebug.instrumented.live_parts import _Part, _part_over, _runner, _user_arguments
+from fxdebug.instrumented.live_report import _global_calls, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows, channel_maxima
-from fxdebug.report.report import Report, _grad_producers, _nonfinite_params, merge_reports
-from fxdebug.runtime.columns import ORIGIN, resolve_columns
+from fxdebug.report.report import Report, merge_reports
+from fxdebug.runtime.columns import resolve_columns
 from fxdebug.runtime.lower import lower_observers
 from fxdebug.runtime.observer import Observer
 
@@ -504,222 +502,6 @@ def _entry(model: nn.Module) -> Any:
 
 
 _ENTRY_CODES: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class _Part:
-    part: Instrumented
-    keep: list[int]  # Dynamo's arguments the graph takes (the rest are model state, read live)
-    run: Any = None  # what runs it: a copy of the graph whose model state comes in as Dynamo's arguments
-    calls: list[int] = field(default_factory=list)  # the module's call index of each of this graph's calls
-
-
-def _runner(part: Instrumented, count: int, keep: list[int]) -> Any:
-    """The part's code with Dynamo's calling convention: every argument, model state included.
-
-    The passes saw the model's parameters and buffers as ``get_attr`` nodes (what ``ParamGrads`` and
-    friends look for); at run time Dynamo hands over those very tensors (checked when the graph was
-    prepared), so they become placeholders again: no attribute walk per parameter per call. The
-    part itself (its graph, observers, report) is unchanged.
-    """
-    graph = Graph()
-    env: dict[Node, Node] = {}
-    kept = [n for n in part.graph.nodes if n.op == "placeholder"]
-    by_index: dict[int, Node] = {}
-    state = {n: n.meta.get(KEY, {}).get("dynamo_arg") for n in part.graph.nodes if n.op == "get_attr"}
-    for node in kept:
-        by_index[keep[len(by_index)]] = node
-    for i in range(count):
-        if i in by_index:
-            env[by_index[i]] = graph.placeholder(by_index[i].name)
-        else:
-            owner = next((n for n, idx in state.items() if idx == i), None)
-            p = graph.placeholder(owner.name if owner is not None else f"_unused_{i}")
-            if owner is not None:
-                env[owner] = p
-    for node in part.graph.nodes:
-        if node in env or node.op == "placeholder":
-            continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    gm = GraphModule(part, graph, class_name=type(part).__name__)
-    gm._modules = part._modules
-    gm.__dict__[NAMESPACE] = part.__dict__.get(NAMESPACE)
-    return gm.forward
-
-
-def _user_arguments(placeholders: list[Node], args: tuple[Any, ...]) -> list[Any] | None:
-    """``args`` (the user's tensors) as a part's placeholders take them: a dynamic size (Dynamo's
-    ``s0`` placeholder) read from the tensor whose captured shape holds it; ``None`` if they do not fit."""
-    tensors = [n for n in placeholders if not isinstance(n.meta.get("example_value"), torch.SymInt)]
-    if len(tensors) != len(args):
-        return None
-    sizes: dict[str, int] = {}
-    for n, a in zip(tensors, args):
-        value = n.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and isinstance(a, torch.Tensor) and value.dim() == a.dim():
-            for dim, size in zip(value.shape, a.shape):
-                if isinstance(dim, torch.SymInt):
-                    sizes.setdefault(str(dim), int(size))
-    out, given = [], iter(args)
-    for n in placeholders:
-        value = n.meta.get("example_value")
-        if isinstance(value, torch.SymInt):
-            if str(value) not in sizes:
-                return None
-            out.append(sizes[str(value)])
-        else:
-            out.append(next(given))
-    return out
-
-
-def _diagnose_part(part: Instrumented, keep: list[int], args: tuple[Any, ...], exc: Exception) -> None:
-    """An op of a captured graph failed: name the node (a typed error), as an ``Instrumented`` call does."""
-    located = locate_failure(part, exc)
-    if located is None:
-        return
-    node, inputs = located
-    err = op_failure(node, exc, inputs)
-    if type(err) is FxDebugError:  # not a shape/device problem: keep the user's exception type
-        exc.add_note(f"fxdebug: {err.message}")
-        return
-    raise err from exc
-
-
-def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
-    """An ``Instrumented`` graph that reads the model's state live: the model's own dictionaries.
-
-    fxdebug's modules (observers, Dynamo's constants) live under ``fxdebug`` in the part's own
-    ``__dict__``, never inside the model's ``_modules``.
-    """
-    space, consts = nn.Module(), nn.Module()
-    for name, value in prepared.constants.items():
-        if isinstance(value, nn.Module):
-            consts.add_module(name, value)
-        elif isinstance(value, nn.Parameter):
-            consts.register_parameter(name, value)
-        else:
-            consts.register_buffer(name, value, persistent=False)
-    space.add_module("constants", consts)
-    holder = nn.Module()
-    holder._modules = OrderedDict(model._modules)
-    holder._modules[NAMESPACE] = space
-    holder._parameters = model._parameters
-    holder._buffers = model._buffers
-    part = Instrumented(holder, prepared.graph, class_name=type(model).__name__)
-    part._modules = model._modules
-    part._parameters = model._parameters
-    part._buffers = model._buffers
-    part._non_persistent_buffers_set = model._non_persistent_buffers_set
-    part.__dict__[NAMESPACE] = space
-    return part
-
-
-def _origin_facts(merged: Report, reports: list[tuple[Report, Any]]) -> None:
-    """What the merged rows alone cannot say, read from the capture whose graph holds the origin node:
-    the users whose backward made the first non-finite gradient (``nonfinite_grad_from``), and the
-    non-finite weights the forward origin's op reads (``nonfinite_params``: in a Dynamo graph they are
-    ``get_attr`` inputs of ``torch.linear``, not a module's). A saved capture gives what it said then."""
-    entered, origin = merged.first_nonfinite_grad, merged.first_nonfinite
-    for rep, part in reports:
-        nodes = {} if isinstance(part, dict) else {n.name: n for n in part.graph.nodes}
-        if entered is not None and not merged.nonfinite_grad_from:
-            if entered in nodes:
-                merged.nonfinite_grad_from = _grad_producers(entered, nodes)
-            elif rep.first_nonfinite_grad == entered:
-                merged.nonfinite_grad_from = list(rep.nonfinite_grad_from)
-        if origin is not None and not merged.nonfinite_params:
-            if origin in nodes:
-                merged.nonfinite_params = _nonfinite_params(part, nodes[origin])
-            elif rep.first_nonfinite == origin:
-                merged.nonfinite_params = list(rep.nonfinite_params)
-
-
-def _global_calls(report: Report, calls: list[int]) -> None:
-    """Rewrite a graph's call indices (its ``ORIGIN`` columns) as the live module's: first NaN across captures.
-
-    Each graph counts its own calls; after a recompile or a graph break, graph B's call 0 may be the
-    module's call 5. The host list of the module's call index at each of the graph's calls (one int
-    per call, no device read) maps them, so the earliest non-finite value is found in time order.
-    """
-    keys = [c.key for c in report.columns_with(ORIGIN)]
-    for row in report.rows:
-        for key in keys:
-            value = row.get(key)
-            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(calls):
-                row[key] = calls[value]
-
-
-def _note_none_arguments(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], notes: list[str]) -> None:
-    """A note naming the forward's arguments that were ``None`` in a call that captured: the graphs hold
-    that branch (a symbolic trace pins them; Dynamo guards on them and captures again when one is given)."""
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return
-    bound.apply_defaults()
-    none = [k for k, v in bound.arguments.items() if v is None]
-    if not none:
-        return
-    names = ", ".join(none)
-    note = (f"dynamo: captured with {names} None (each graph holds the None branch; Dynamo guards on it: a call "
-            f"that passes {'them' if len(none) > 1 else 'it'} is captured again, into the same rows)")
-    if note not in notes:
-        notes.append(note)
-
-
-def _user_line(exc: BaseException) -> str:
-    """``file.py:42 `line``` of the innermost frame of ``exc``'s traceback outside torch and fxdebug."""
-    import os
-    import traceback
-
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fxdebug/
-    skip = (os.path.dirname(torch.__file__ or "") + os.sep, here + os.sep)
-    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
-        if not frame.filename.startswith(skip) and not frame.filename.startswith("<"):
-            line = f" `{frame.line.strip()}`" if frame.line else ""
-            return f"{os.path.basename(frame.filename)}:{frame.lineno}{line}"
-    return ""
-
-
-def _first_call_failed(model: nn.Module, exc: Exception, examples: bool) -> TraceError:
-    """The model's forward raised before anything was captured: a ``TraceError`` naming it and where."""
-    name = type(model).__name__
-    where = _user_line(exc)
-    when = "on the example inputs" if examples else "at its first call (the live capture runs the model then)"
-    msg = str(exc).strip().rstrip(".") or type(exc).__name__
-    return TraceError(
-        f"{name}'s own forward raised {type(exc).__name__} {when}: {msg}"
-        + (f" (at {where})" if where else "") + ". Nothing was captured: fxdebug can only capture a model that runs: "
-        "fix the forward or the inputs (the original exception is this error's __cause__).",
-        module="", op=name)
-
-
-def _dynamo_failed(model: nn.Module, exc: Exception) -> TraceError:
-    """TorchDynamo itself failed (not the model): a ``TraceError`` with its reason and what to do."""
-    name = type(model).__name__
-    reason = " ".join(str(exc).split())[:600].rstrip(".") or type(exc).__name__
-    where = _user_line(exc)
-    return TraceError(
-        f"TorchDynamo could not capture {name}'s forward ({type(exc).__name__}"
-        + (f" at {where}" if where else "") + f"): {reason}. Use a snapshot frontend "
-        "(frontend='symbolic' or 'export'), or FXDEBUG_AUTO=snapshot to make that the default.",
-        module="", op="dynamo")
-
-
-def _diagnosed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> Exception:
-    """The typed error naming the node, module and shapes, found by running a symbolic capture; else ``exc``.
-
-    Dynamo reports a failing op by its fake tensors; the symbolic graph's shape run names the node
-    the way every other fxdebug error does (``ShapeMismatchError`` for a shape problem).
-    """
-    try:
-        captured = SymbolicFrontend().capture(model, (args, kwargs), TraceOptions())
-        PassContext(Inputs(*args, **kwargs)).specs(Instrumented.from_capture(model, captured))
-    except FxDebugError as err:
-        return err
-    except Exception:
-        return exc
-    return exc
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
