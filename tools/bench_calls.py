@@ -37,7 +37,7 @@ DEFAULT_MODELS = ("zoo functional_ops", "zoo transformer_block", "mlp 20x256 bat
 
 def _previous_clock_forward(clock: Any, *anchors: Any) -> Any:
     """``Clock.forward`` as it was before the C++ tick (commit d091273), for the paired comparison."""
-    from fxdebug.runtime.observer import _locked
+    from fxdebug.runtime.clock import _locked
 
     with _locked():
         if not torch.compiler.is_compiling():
