@@ -19,14 +19,7 @@ from torch.fx._pytree import tree_flatten_spec
 from torch.utils._pytree import tree_map
 
 from fxdebug.errors import MissingInputsError
-from fxdebug.graph.module_state import (
-    restore_containers,
-    restore_plain_state,
-    restore_random_state,
-    saved_containers,
-    saved_plain_state,
-    saved_random_state,
-)
+from fxdebug.graph.module_state import ModuleState
 
 __all__ = ["CallInputs", "Inputs", "bind_inputs", "clone_inputs", "normalize_inputs", "preserved_state",
            "untouched_state"]
@@ -107,32 +100,25 @@ def untouched_state(module: nn.Module) -> Iterator[None]:
     streams, every generator a module holds (``self.gen = torch.Generator()``), and torch's own
     CPU and CUDA streams.
     """
-    plain = saved_plain_state(module)
-    containers = saved_containers(module)
-    streams = saved_random_state(module)
-    tensors = list(module.parameters()) + list(module.buffers())
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})  # their RNGs too
-    with torch.random.fork_rng(devices=devices, enabled=True):
+    with _untouched(ModuleState(module)):
+        yield
+
+
+@contextlib.contextmanager
+def _untouched(saved: ModuleState) -> Iterator[None]:
+    with torch.random.fork_rng(devices=saved.devices, enabled=True):  # the CUDA devices' RNGs too
         try:
             yield
         finally:
-            restore_plain_state(plain)
-            restore_containers(containers)
-            restore_random_state(streams)
+            saved.restore_python()
 
 
 @contextlib.contextmanager
 def preserved_state(module: nn.Module) -> Iterator[None]:
     """Run code against ``module`` and put its buffers, Python state and the RNG streams back afterwards."""
-    saved = [(b, b.detach().clone()) for b in module.buffers() if b.device.type != "meta"]
-    entries = [(m, dict(m._buffers)) for m in module.modules()]  # a forward may rebind one (self.avg = ...)
-    with untouched_state(module):
+    saved = ModuleState(module, buffers=True)  # one walk over the modules saves all of it
+    with _untouched(saved):
         try:
             yield
         finally:
-            for m, bufs in entries:
-                if any(m._buffers.get(k) is not v for k, v in bufs.items()):
-                    m._buffers.update(bufs)
-            with torch.no_grad():
-                for buf, copy in saved:
-                    buf.copy_(copy)
+            saved.restore_buffers()

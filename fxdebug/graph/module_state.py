@@ -65,12 +65,17 @@ def restore_containers(saved: list[tuple[Any, Any]]) -> None:
             live.update(copy)
 
 
-def _generators(root: nn.Module) -> list[Any]:
-    """Random generators the modules hold (``torch.Generator``, ``random.Random``, numpy's)."""
+def _generator_kinds() -> tuple[type, ...]:
     numpy = sys.modules.get("numpy")
     kinds: tuple[type, ...] = (torch.Generator, random.Random)
     if numpy is not None:
         kinds = (*kinds, numpy.random.Generator, numpy.random.RandomState)
+    return kinds
+
+
+def _generators(root: nn.Module) -> list[Any]:
+    """Random generators the modules hold (``torch.Generator``, ``random.Random``, numpy's)."""
+    kinds = _generator_kinds()
     seen: dict[int, Any] = {}
     for m in root.modules():
         for v in user_attributes(m).values():
@@ -79,17 +84,20 @@ def _generators(root: nn.Module) -> list[Any]:
     return list(seen.values())
 
 
-def saved_random_state(root: nn.Module | None = None) -> list[tuple[Any, Any]]:
+def saved_random_state(root: nn.Module | None = None, *, generators: list[Any] | None = None) -> list[tuple[Any, Any]]:
     """Python's and numpy's global random streams and every generator ``root`` holds.
 
     torch's own global streams are forked by ``torch.random.fork_rng``; this covers the rest, so an
-    example run that draws ``random.random()`` or ``np.random.rand()`` leaves no trace.
+    example run that draws ``random.random()`` or ``np.random.rand()`` leaves no trace. ``generators``:
+    the ones ``root`` holds, found already (``saved_module_state``), instead of walking ``root`` again.
     """
     saved: list[tuple[Any, Any]] = [(random, random.getstate())]
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         saved.append((numpy.random, numpy.random.get_state()))
-    for g in _generators(root) if root is not None else ():
+    if generators is None:
+        generators = _generators(root) if root is not None else []
+    for g in generators:
         if isinstance(g, torch.Generator):
             if g.device.type != "meta":
                 saved.append((g, g.get_state()))
@@ -100,6 +108,75 @@ def saved_random_state(root: nn.Module | None = None) -> list[tuple[Any, Any]]:
         else:
             saved.append((g, g.get_state()))
     return saved
+
+
+class ModuleState:
+    """What one walk over a model's modules saves before example runs (``graph.inputs.untouched_state``):
+    the plain attributes, the containers, the generators' and global streams' states, the CUDA devices
+    its tensors live on, and (``buffers=True``) each module's buffer slots and a copy of every buffer.
+
+    The same values ``saved_plain_state``, ``saved_containers`` and ``saved_random_state`` give, read in
+    one pass, each module's own attributes sorted once (on a 100k-module model each walk costs ~0.1 s)."""
+
+    __slots__ = ("plain", "containers", "streams", "devices", "slots", "buffers")
+
+    def __init__(self, root: nn.Module, *, buffers: bool = False) -> None:
+        kinds = _generator_kinds()
+        internals = _MODULE_INTERNALS
+        module_type = nn.Module
+        plain: list[tuple[nn.Module, dict[str, Any]]] = []
+        containers: list[tuple[Any, Any]] = []
+        generators: dict[int, Any] = {}
+        devices: set[int] = set()
+        slots: list[tuple[nn.Module, dict[str, Any]]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        seen_buffers: set[int] = set()
+        for m in root.modules():
+            values: dict[str, Any] = {}
+            for k, v in m.__dict__.items():
+                if k in internals or k.startswith("_fxdebug") or isinstance(v, module_type):
+                    continue  # user_attributes(m), inline
+                if isinstance(v, _PLAIN):
+                    values[k] = v
+                    continue
+                if isinstance(v, _CONTAINERS):
+                    containers.append((v, v.copy()))
+                if isinstance(v, kinds):
+                    generators.setdefault(id(v), v)
+            plain.append((m, values))
+            for param in m._parameters.values():
+                if param is not None and param.device.type == "cuda":
+                    devices.add(param.device.index or 0)
+            own = m._buffers
+            for t in own.values():
+                if t is None:
+                    continue
+                if t.device.type == "cuda":
+                    devices.add(t.device.index or 0)
+                if buffers and t.device.type != "meta" and id(t) not in seen_buffers:
+                    seen_buffers.add(id(t))
+                    copies.append((t, t.detach().clone()))
+            if buffers:
+                slots.append((m, dict(own)))  # a forward may rebind one (self.avg = ...)
+        self.plain, self.containers = plain, containers
+        self.streams = saved_random_state(generators=list(generators.values()))
+        self.devices = sorted(devices)
+        self.slots, self.buffers = slots, copies
+
+    def restore_python(self) -> None:
+        """Plain attributes, containers and random streams as they were."""
+        restore_plain_state(self.plain)
+        restore_containers(self.containers)
+        restore_random_state(self.streams)
+
+    def restore_buffers(self) -> None:
+        """Buffer slots rebound by a forward put back, then every buffer's values (``buffers=True``)."""
+        for m, bufs in self.slots:
+            if any(m._buffers.get(k) is not v for k, v in bufs.items()):
+                m._buffers.update(bufs)
+        with torch.no_grad():
+            for buf, copy in self.buffers:
+                buf.copy_(copy)
 
 
 def restore_random_state(saved: list[tuple[Any, Any]]) -> None:
