@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import importlib
 from typing import Any, Callable
 
 import pytest
@@ -399,3 +400,28 @@ def test_without_the_conditional_copy_kernel_the_guard_copies_every_step_and_sta
     ref, ref_opt = train("adamw", data, guarded=False, skip=BAD)
     assert_bitwise(ref.state_dict(), model.state_dict(), "weights")
     assert_bitwise(ref_opt.state_dict(), g.state_dict(), "optimizer state")
+
+
+@pytest.mark.parametrize("watch", [False, True])
+def test_the_skip_count_and_log_stay_exact_across_ring_folds_and_mid_run_reads(monkeypatch: Any, watch: bool) -> None:
+    guard_module = importlib.import_module("fxdebug.training.guard")  # (the package exports the function guard)
+    monkeypatch.setattr(guard_module, "_RING", 3)  # the per-step flags fold into the count every 3 steps
+    monkeypatch.setattr(guard_module, "_LOG", 4)  # and the log keeps the first 4 skipped steps
+    bad = [1, 2, 5, 6, 7, 10]
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randn(8, 6, generator=gen) for _ in range(12)]
+    for i in bad:
+        data[i][1, 0] = -100.0 if watch else float("nan")  # -100: only the watched side branch goes NaN
+    torch.manual_seed(0)
+    model = Net()
+    dbg = fxdebug.instrument(model, passes=[NaNCheck()], example_inputs=(data[0],)) if watch else None
+    g = fxdebug.guard(OPTIMIZERS["sgd"](model.parameters()), dbg=dbg)
+    syncs = []
+    for i, x in enumerate(data):
+        syncs.append(syncs_in_step(g, dbg if dbg is not None else model, x))  # a fold inside step() too
+        if i == 4:  # a read between folds
+            assert int(g.skipped) == 2 and [s["step"] for s in g.skipped_steps] == [1, 2]
+    assert syncs == [0] * len(data)
+    assert int(g.skipped) == len(bad)
+    assert [s["step"] for s in g.skipped_steps] == bad[:4]
+    assert [s["origin"] for s in g.skipped_steps] == (["log"] * 4 if watch else [None] * 4)

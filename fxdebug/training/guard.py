@@ -45,6 +45,7 @@ __all__ = ["Guard", "guard"]
 # momentum buffer of -0.0 turns SGD's ``buf * momentum + grad`` into exactly ``grad``, its first step.
 _INITIAL = {"momentum_buffer": -0.0}
 _LOG = 4096  # skipped steps whose step index and origin are kept (the count itself never saturates)
+_RING = 256  # steps whose skip flags wait on the device before they are folded into the count and the log
 
 
 def guard(optimizer: torch.optim.Optimizer, dbg: Any = None) -> "Guard":
@@ -88,16 +89,18 @@ class Guard(torch.optim.Optimizer):
     dbg: Any
     steps: int
     _skipped: Tensor | None
-    _step_dev: Tensor | None
     _log: Tensor | None
     _origin_log: Tensor | None
+    _ring: Tensor | None
+    _origin_ring: Tensor | None
+    _ring_steps: list[int]
     _watch: dict[str, Any] | None
     _buffers: dict[int, tuple[Tensor, Tensor]]
 
     def __init__(self, optimizer: torch.optim.Optimizer, dbg: Any = None) -> None:
-        self.__dict__.update(optimizer=optimizer, dbg=dbg, steps=0, _skipped=None, _step_dev=None, _log=None,
-                             _origin_log=None, _watch=None, _last_bad=None, _buffers={}, _device=None,
-                             _plan=None)
+        self.__dict__.update(optimizer=optimizer, dbg=dbg, steps=0, _skipped=None, _log=None, _origin_log=None,
+                             _ring=None, _origin_ring=None, _ring_steps=[], _watch=None, _buffers={}, _plan=None,
+                             _found={}, _all_state=None)
         for group in optimizer.param_groups:
             _prepare_group(optimizer, group)
 
@@ -123,7 +126,7 @@ class Guard(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
         self._buffers.clear()
-        self.__dict__["_plan"] = None
+        self.__dict__.update(_plan=None, _all_state=None)
         for group in self.optimizer.param_groups:
             _prepare_group(self.optimizer, group)
 
@@ -144,6 +147,7 @@ class Guard(torch.optim.Optimizer):
     @property
     def skipped(self) -> Tensor:
         """Steps skipped so far: a 0-d int64 tensor on the parameters' device (``int()`` it to read)."""
+        self._fold()
         if self._skipped is None:
             return torch.zeros((), dtype=torch.int64)
         return self._skipped
@@ -154,12 +158,13 @@ class Guard(torch.optim.Optimizer):
         skipped step (the first 4,096); reading it syncs once. ``origin`` is, with ``dbg=``, the
         first watched node that saw NaN/Inf in that step (forward; else where the bad gradient
         entered), ``None`` when only the gradients were non-finite."""
+        self._fold()
         if self._skipped is None or self._log is None:
             return []
         n = min(int(self._skipped), _LOG)
         steps = self._log[:n].tolist()
         origins: list[str | None] = [None] * n
-        if self._origin_log is not None and self._watch is not None:
+        if self._origin_log is not None and self._watch is not None and self._origin_log.shape[1] == len(self._watch["labels"]):
             bad = self._origin_log[:n].cpu()
             labels = self._watch["labels"]
             for i in range(n):
@@ -188,8 +193,6 @@ class Guard(torch.optim.Optimizer):
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             self.steps += 1
-            if self._step_dev is not None:
-                self._step_dev.add_(1)
             return loss
         device = params[0].device
         fused = [bool(g.get("fused")) for g in self.optimizer.param_groups]
@@ -221,37 +224,53 @@ class Guard(torch.optim.Optimizer):
         (``_amp_foreach_non_finite_check_and_unscale_``; exact, no sum that could overflow), which
         multiplies them by ``unscale`` — 1.0 leaves them bitwise as they are."""
         flags = []
-        by_device: dict[torch.device, list[Tensor]] = {}
-        for p in params:
-            grad = p.grad
-            if grad is not None and grad.numel():
-                by_device.setdefault(grad.device, []).append(grad)
-        for dev, grads in by_device.items():
-            found = torch.zeros(1, dtype=torch.float32, device=dev)
-            inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True).reshape(1)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
-            flags.append(_on(found, device).reshape(()))
+        grads = [g for p in params if (g := p.grad) is not None]  # (params: those with a gradient)
+        dev0 = grads[0].device
+        if all(g.device == dev0 for g in grads):  # (the usual case: one device, no dict to build)
+            by_device: dict[torch.device, list[Tensor]] = {dev0: grads}
+        else:
+            by_device = {}
+            for g in grads:
+                by_device.setdefault(g.device, []).append(g)
+        for dev, on_dev in by_device.items():
+            found = self._found_flag(dev)  # kept from step to step: zeroed, then set by the check
+            inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True)
+            torch._amp_foreach_non_finite_check_and_unscale_(on_dev, found, inv)
+            flags.append(_on(found, device))
         if scaler_inf is not None:
             flags.append(scaler_inf.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
         if self.dbg is not None:
             watched = self._watched_bad(device)
             if watched is not None:
                 flags.append(watched)
-        if not flags:
-            return torch.zeros((), dtype=torch.float32, device=device)
         if len(flags) == 1 and scaler_inf is None:
             return flags[0]  # the check's own flag (or the watched nodes'): already exactly 0.0 or 1.0
         return (torch.stack(flags).amax() > 0).to(torch.float32)  # a scaler's found_inf sums over devices
 
+    def _found_flag(self, device: torch.device) -> Tensor:
+        """The 0-d float32 flag the gradient check sets on ``device``, zeroed (one buffer, reused:
+        it holds this step's decision until the next step's check)."""
+        found = self._found.get(device)
+        if found is None:
+            found = self._found[device] = torch.zeros((), dtype=torch.float32, device=device)
+        return found.zero_()
+
     def _ones(self, device: torch.device) -> Tensor:
         ones = self.__dict__.setdefault("_one", {})
         if device not in ones:
-            ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+            ones[device] = torch.ones((), dtype=torch.float32, device=device)
         return ones[device]
 
     def _fused_step(self, params: list[Tensor], bad: Tensor, scale: Tensor | None) -> None:
         opt = self.optimizer
-        fresh = [p for p in params if not opt.state.get(p)]  # SGD leaves uninitialised memory on a skipped first step
+        # SGD leaves uninitialised memory on a skipped first step: such parameters take the restoring
+        # step. Once every parameter has state (kept from then on), the check is a length compare.
+        fresh: list[Tensor] = []
+        seen = self._all_state  # (state dict, its length, the parameters) when all of them last had state
+        if (seen is None or seen[0] is not opt.state or seen[1] != len(opt.state) or len(seen[2]) != len(params)
+                or not all(map(operator.is_, seen[2], params))):
+            fresh = [p for p in params if not opt.state.get(p)]
+            self.__dict__["_all_state"] = None if fresh else (opt.state, len(opt.state), params)
         setattr(opt, "grad_scale", scale)  # what fused optimizers read, as GradScaler sets them
         setattr(opt, "found_inf", bad)
         try:
@@ -317,22 +336,61 @@ class Guard(torch.optim.Optimizer):
         return buf[1]
 
     def _count(self, bad: Tensor) -> None:
-        skipped, step, log = self._skipped, self._step_dev, self._log
-        if skipped is None or step is None or log is None:
-            skipped = self._skipped = torch.zeros((), dtype=torch.int64, device=bad.device)
-            step = self._step_dev = torch.full((), self.steps, dtype=torch.int64, device=bad.device)
-            log = self._log = torch.zeros(_LOG, dtype=torch.int64, device=bad.device)
-        elif skipped.device != bad.device:  # the parameters moved: the counts move with them
-            skipped = self._skipped = skipped.to(bad.device)
-            step = self._step_dev = step.to(bad.device)
-            log = self._log = log.to(bad.device)
-        slot = skipped.clamp(max=_LOG - 1).view(1)
-        log.index_copy_(0, slot, step.view(1))  # overwritten by the next skip unless this one is
-        if self._origin_log is not None and self._watch is not None and self._watch.get("delta") is not None:
-            self._origin_log.index_copy_(0, slot.to(self._origin_log.device),
-                                         self._watch["delta"].view(1, -1).to(self._origin_log.device))
-        skipped.add_(bad.to(torch.int64))
-        step.add_(1)
+        """Note this step's flag: one copy into a ring on the device; every ``_RING`` steps (and when
+        read) the ring is folded into the count and the log (``_fold``)."""
+        ring = self._ring
+        if ring is None or ring.device != bad.device:
+            self._fold()
+            ring = self._ring = torch.empty(_RING, dtype=torch.float32, device=bad.device)
+        i = len(self._ring_steps)
+        ring.select(0, i).copy_(bad)
+        self._ring_steps.append(self.steps)
+        watch = self._watch
+        if watch is not None and watch.get("delta") is not None:
+            delta = watch["delta"]
+            origins = self._origin_ring
+            if origins is None or origins.shape[1] != delta.numel() or origins.device != ring.device:
+                self._fold(keep_last=True)
+                i = 0
+                origins = self._origin_ring = torch.zeros(_RING, delta.numel(), dtype=torch.bool, device=ring.device)
+            origins.select(0, i).copy_(delta.view(-1))
+        elif self._origin_ring is not None:
+            self._origin_ring.select(0, i).zero_()  # no watched node this step: no origin
+        if len(self._ring_steps) == _RING:
+            self._fold()
+
+    def _fold(self, keep_last: bool = False) -> None:
+        """Fold the ring of per-step flags into the skipped count and the log of skipped steps (their
+        indices and, with ``dbg=``, the watched nodes that went bad), on the device: no sync.
+        ``keep_last``: the newest entry stays in the ring (its origins are about to be written)."""
+        steps = self._ring_steps
+        n = len(steps) - 1 if keep_last else len(steps)
+        ring = self._ring
+        if ring is None or n <= 0:
+            return
+        dev = ring.device
+        if self._skipped is None or self._log is None:
+            self._skipped = torch.zeros((), dtype=torch.int64, device=dev)
+            self._log = torch.zeros(_LOG + _RING, dtype=torch.int64, device=dev)  # the tail: where unkept entries go
+        elif self._skipped.device != dev:  # the parameters moved: the counts move with them
+            self._skipped, self._log = self._skipped.to(dev), self._log.to(dev)
+        flags = ring[:n].to(torch.int64)
+        at = self._skipped + flags.cumsum(0) - 1  # each skipped step's place in the log
+        spare = torch.arange(_LOG, _LOG + n, dtype=torch.int64, device=dev)  # a distinct unkept place each
+        at = torch.where((flags > 0) & (at < _LOG), at, spare)
+        self._log.index_copy_(0, at, torch.tensor(steps[:n], dtype=torch.int64).to(dev, non_blocking=True))
+        origins = self._origin_ring
+        if origins is not None:
+            log = self._origin_log
+            if log is None or log.shape[1] != origins.shape[1] or log.device != dev:
+                log = self._origin_log = torch.zeros(_LOG + _RING, origins.shape[1], dtype=torch.bool, device=dev)
+            log.index_copy_(0, at, origins[:n])
+        self._skipped.add_(flags.sum())
+        if keep_last:
+            ring[0].copy_(ring[n])
+            if origins is not None:
+                origins[0].copy_(origins[n])
+        del steps[:n]
 
     # -- with dbg=: did a watched node see NaN/Inf since the last step? ---------------------------
     def _watched_bad(self, device: torch.device) -> Tensor | None:
@@ -380,8 +438,8 @@ class Guard(torch.optim.Optimizer):
             labels.extend(label for tt, i, label in rows if id(tt) == tid)
         plan = {"key": key, "quick": quick, "labels": labels,
                 "tables": [(t, torch.tensor(idx, dtype=torch.long, device=t.device)) for t, idx in tables.values()]}
-        first = next(iter(tables.values()))[0]
-        self._origin_log = torch.zeros(_LOG, len(labels), dtype=torch.bool, device=first.device)
+        self._fold()  # the skipped steps so far keep the origins of the old labels' layout...
+        self._origin_log = self._origin_ring = None  # ...which the next ones do not share
         self._watch = plan
         return plan
 
