@@ -8,17 +8,20 @@ a typed error naming the node (``diagnose.op_failure``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import traceback as fx_traceback
+from torch.fx.node import map_arg
 
 from fxdebug.graph.diagnose import op_failure
 from fxdebug.errors import FxDebugError
 from fxdebug.graph.inputs import CallInputs, bind_inputs, clone_inputs, preserved_state
-from fxdebug.graph.meta import is_instrumentation, node_meta
+from fxdebug.graph.meta import fx_meta, is_instrumentation
 
 __all__ = ["TensorSpec", "learn_specs", "spec_of"]
 
@@ -57,17 +60,57 @@ def spec_of(value: Any) -> Any:
 
 
 class _SpecRecorder(Interpreter):
-    """Runs the graph on example inputs, skipping instrumentation, recording each node's spec."""
+    """Runs the graph on example inputs, skipping instrumentation, recording each node's spec.
+
+    ``run`` is ``Interpreter.run``'s loop without its per-node progress bar and, where torch keeps no
+    node metadata for tracing (``fx_traceback.preserve_node_meta`` off: then ``_set_current_node``
+    does nothing), without that context manager; a module is found in the map of modules the
+    ``Interpreter`` built instead of an attribute walk per node. The values, the order, the freeing
+    of values after their last use and the errors are ``Interpreter``'s (~10 µs a node less)."""
 
     def __init__(self, gm: GraphModule) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.extra_traceback = False  # our own error names the node; torch's addendum is noise
         self.specs: dict[str, Any] = {}
 
+    def run(self, *args: Any, initial_env: dict[Node, Any] | None = None, enable_io_processing: bool = True) -> Any:
+        if initial_env is not None or not enable_io_processing:
+            return super().run(*args, initial_env=initial_env, enable_io_processing=enable_io_processing)
+        self.env = env = {}
+        graph = self.graph
+        self.args_iter = iter(graph.process_inputs(*args))
+        last_uses = self.user_to_last_uses
+        none: tuple[Node, ...] = ()
+        for node in graph.nodes:
+            env[node] = self.run_node(node)
+            for to_delete in last_uses.get(node, none):
+                del env[to_delete]
+            if node.op == "output":
+                return graph.process_outputs(env[node])
+        return None
+
     def placeholder(self, target: Any, args: Any, kwargs: Any) -> Any:
         if str(target).startswith("*"):  # bind_inputs packed ``*args`` as a tuple, ``**kwargs`` as a dict
             return next(self.args_iter)
         return super().placeholder(target, args, kwargs)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        submod = self.submodules.get(target) if isinstance(target, str) else None
+        if submod is None:
+            return super().call_module(target, args, kwargs)
+        return submod(*args, **kwargs)
+
+    def _run(self, n: Node) -> Any:
+        """``Interpreter.run_node``; ``_set_current_node`` only where it does something."""
+        if fx_traceback.should_preserve_node_meta:
+            return super().run_node(n)
+        env = self.env
+        try:
+            args = map_arg(n.args, env.__getitem__)
+            kwargs = map_arg(n.kwargs, env.__getitem__)
+        except KeyError:  # a value that does not exist: Interpreter's own error
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+        return getattr(self, n.op)(n.target, args, kwargs)
 
     def run_node(self, n: Node) -> Any:
         if is_instrumentation(n):
@@ -77,7 +120,7 @@ class _SpecRecorder(Interpreter):
             # no_grad torch refuses it
             return None if n.op == "call_method" else self.fetch_args_kwargs_from_env(n)[0][0]
         try:
-            value = super().run_node(n)
+            value = self._run(n)
         except FxDebugError:
             raise
         except Exception as exc:
@@ -85,9 +128,14 @@ class _SpecRecorder(Interpreter):
             raise op_failure(n, exc, args, when="running the example inputs") from exc
         spec = self.specs[n.name] = spec_of(value)
         if isinstance(spec, TensorSpec):  # written as we go, so an error later can cite it
-            meta = node_meta(n)
-            meta.shape, meta.dtype, meta.device = spec.shape, str(spec.dtype).replace("torch.", ""), str(spec.device)
+            meta = fx_meta(n)  # NodeMeta's shape, dtype and device, written straight into its dict
+            meta["shape"], meta["dtype"], meta["device"] = spec.shape, _dtype_name(spec.dtype), str(spec.device)
         return value
+
+
+@functools.lru_cache(maxsize=None)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def learn_specs(gm: GraphModule, inputs: CallInputs) -> dict[str, Any]:
