@@ -18,11 +18,13 @@ parameters together, plus ``param_updates``, each parameter's own by name — an
 (``findings(update_spike=...)`` changes it). ``ParamUpdates(...).rows()`` lists every parameter
 the optimizer holds, keyed by name; ``.history()`` each one's update ratios of the last 64
 steps. Costs: one copy of the parameters in memory, and per step a copy, an in-place
-subtraction and two norms over them.
+subtraction and two norms over them (one ``torch._foreach_*`` call each) and two rows written; the
+ratios, running medians and spikes are computed for 64 steps at once (every 64th step, or when read).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -36,7 +38,7 @@ from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult,
 __all__ = ["ParamUpdates"]
 
 WINDOW = 64  # steps in the running median
-_RINGS = ("history", "norms", "skipped_ring")  # (parameter, step) rings: read by history() / per_step()
+_LAST = ("norm", "ratio", "spike", "spike_ratio", "spike_step", "skipped")  # what host() reads
 WARMUP = 3  # ratios needed before a step can be called a spike
 SPIKE = 10.0
 
@@ -67,21 +69,30 @@ def _columns() -> tuple[Column, ...]:
 
 
 class UpdateTable:
-    """The device table behind ``ParamUpdates``: one row per parameter of the optimizer."""
+    """The device table behind ``ParamUpdates``: one row per parameter of the optimizer.
+
+    A step costs a copy of the parameters (before), an in-place subtraction and two norms (after),
+    each one ``torch._foreach_*`` call, and two rows written into a block of pending steps: the
+    update norms and the weight norms, as they are. Every ``WINDOW`` steps, and whenever the figures
+    are read, the block is folded into the table at once on the device (``_fold``): the ratios,
+    each step's running median over the ``WINDOW`` ratios before it, the spikes, the last figures,
+    the rings of recent steps. Nothing per step in Python per parameter; nothing read to the host."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.params: list[nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.names: dict[int, str] = {}
-        self.steps = 0
+        self.steps = 0  # steps taken (folded or pending)
         self._state: dict[str, Tensor] | None = None
         self._before: list[Tensor] = []
+        self._layout: list[tuple[Any, Any]] = []  # (shape, dtype) of each parameter the buffers were made for
         self._had_grad: list[bool] = []
-        self._weight_norms: list[Tensor] = []
-        self._flagged = False  # a step came through fxdebug.guard (it marks the steps it takes back)
+        self._one_device: torch.device | None = None  # the parameters' device, when they share one
+        self._pending: list[tuple[list[bool], bool]] = []  # per pending step: which parameters had a gradient,
+        #                                                     whether fxdebug.guard flagged it
         self.call = -1  # the model's last forward call (set by the probes; host-side, no sync)
-        self.calls = [-1] * WINDOW  # per ring slot: the forward call whose gradients that step applied
+        self.calls: list[int] = []  # per step in the rings (oldest first) and pending: its forward call
         self._handles = [optimizer.register_step_pre_hook(self._pre), optimizer.register_step_post_hook(self._post)]
 
     def _fresh(self, device: torch.device) -> dict[str, Tensor]:
@@ -89,93 +100,141 @@ class UpdateTable:
         f32 = dict(dtype=torch.float32, device=device)
         nan = float("nan")
         return {"norm": torch.full((n,), nan, **f32), "ratio": torch.full((n,), nan, **f32),
-                "history": torch.full((n, WINDOW), nan, **f32), "spike": torch.zeros(n, **f32),
-                "spike_ratio": torch.zeros(n, **f32),
+                "history": torch.full((n, WINDOW), nan, **f32),  # the last WINDOW steps' ratios, oldest first
+                "spike": torch.zeros(n, **f32), "spike_ratio": torch.zeros(n, **f32),
                 "spike_step": torch.full((n,), -1, dtype=torch.int64, device=device),
-                "step": torch.zeros((), dtype=torch.int64, device=device),
                 "norms": torch.full((n, WINDOW), nan, **f32),  # each step's update norms (for the recorder's history)
                 "skipped_ring": torch.zeros(WINDOW, dtype=torch.bool, device=device),
-                "skipped": torch.zeros((), dtype=torch.bool, device=device)}  # the last step was taken back
+                "skipped": torch.zeros((), dtype=torch.bool, device=device),  # the last step was taken back
+                # the block of pending steps, one row each: update norms, weight norms, guard's flag
+                "upd": torch.zeros(WINDOW, n, **f32), "wn": torch.zeros(WINDOW, n, **f32),
+                "flag": torch.zeros(WINDOW, **f32)}
 
     def _pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        if len(params) != len(self.params):  # add_param_group after ParamUpdates was made
-            self.params = params
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            self.params = params  # add_param_group after ParamUpdates was made: the table starts afresh
             self.index = {id(p): i for i, p in enumerate(params)}
-            self._state, self._before = None, []
-        if not self._before or any(b.shape != p.shape for b, p in zip(self._before, params)):
+            self._state, self._before, self._pending = None, [], []
+            self.calls = []
+        layout = [(p.shape, p.dtype) for p in params]
+        if layout != self._layout:
             self._before = [torch.empty_like(p, memory_format=torch.preserve_format).detach() for p in params]
+            self._layout = layout
+            devices = {p.device for p in params}
+            self._one_device = devices.pop() if len(devices) == 1 else None
         self._had_grad = [p.grad is not None for p in params]
+        if not params:
+            return
+        s = self._table(params[0].device)
         with torch.no_grad():
-            torch._foreach_copy_(self._before, [p.detach() for p in params])
-            self._weight_norms = torch._foreach_norm(self._before, 2, dtype=torch.float32)  # while it is in cache
+            torch._foreach_copy_(self._before, params)
+            self._norms_into(s["wn"][len(self._pending)], self._before)  # while it is in cache
+
+    def _norms_into(self, row: Tensor, tensors: list[Tensor]) -> None:
+        norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        if self._one_device != row.device:  # parameters on several devices
+            norms = [n.to(row.device, non_blocking=True) for n in norms]
+        torch.stack(norms, out=row)
+
+    def _table(self, device: torch.device) -> dict[str, Tensor]:
+        if self._state is None or self._state["norm"].device != device:  # the parameters moved: start afresh
+            self._state, self._pending, self.calls = self._fresh(device), [], []
+        return self._state
 
     def _post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self.params:
             return
-        device = self.params[0].device
-        if self._state is None or self._state["norm"].device != device:
-            self._state = self._fresh(device)
-        s = self._state
+        s = self._table(self.params[0].device)
+        k = len(self._pending)
         with torch.no_grad():
-            torch._foreach_sub_(self._before, [p.detach() for p in self.params])  # in place: minus the update
-            upd = torch.stack([n.to(device) for n in torch._foreach_norm(self._before, 2, dtype=torch.float32)])
-            wn = torch.stack([n.to(device) for n in self._weight_norms])
-            stepped = torch.tensor(self._had_grad, device=device) if device.type == "cpu" else \
-                torch.tensor(self._had_grad).to(device, non_blocking=True)
+            torch._foreach_sub_(self._before, self.params)  # in place: minus the update
+            self._norms_into(s["upd"][k], self._before)
             # fxdebug.guard sets this on the optimizer for the step (1.0: the step is taken back, on
             # the device): such a step changed nothing, whatever the parameters held at this hook
             flag = getattr(optimizer, "fxdebug_skipped", None)
-            taken_back = (flag.to(device, non_blocking=True) > 0) if isinstance(flag, Tensor) else None
-            applied = stepped
-            if taken_back is not None:
-                applied = stepped & ~taken_back
-                upd = torch.where(applied, upd, torch.zeros_like(upd))
-            ratio = torch.where(applied & (wn > 0), upd / wn, torch.full_like(upd, float("nan")))
-            hist = s["history"]
-            median = hist.nanmedian(dim=1).values
-            enough = (~hist.isnan()).sum(1) >= WARMUP
-            jump = torch.where(enough & (median > 0) & ~ratio.isnan(), ratio / median, torch.zeros_like(ratio))
-            jump = torch.nan_to_num(jump, nan=0.0, posinf=float(torch.finfo(torch.float32).max))
-            higher = jump > s["spike"]
-            s["spike"] = torch.where(higher, jump, s["spike"])
-            s["spike_ratio"] = torch.where(higher, ratio, s["spike_ratio"])
-            s["spike_step"] = torch.where(higher, s["step"], s["spike_step"])
-            s["norm"] = torch.where(stepped, upd, s["norm"])  # a step taken back: 0
-            shown = ratio if taken_back is None else torch.where(taken_back, torch.zeros_like(ratio), ratio)
-            s["ratio"] = torch.where(stepped, shown, s["ratio"])
-            slot = self.steps % WINDOW
-            hist[:, slot] = ratio  # NaN for a step taken back: outside the running median
-            s["norms"][:, slot] = torch.where(stepped, upd, torch.full_like(upd, float("nan")))
-            if taken_back is not None or self._flagged:  # (a loop without fxdebug.guard skips these)
-                self._flagged = True
-                back = taken_back if taken_back is not None else torch.zeros((), dtype=torch.bool, device=device)
-                s["skipped_ring"][slot] = back
-                s["skipped"].copy_(back)
-            s["step"].add_(1)
-        self.calls[slot] = self.call
+            if isinstance(flag, Tensor):
+                s["flag"][k].copy_(flag.reshape(()), non_blocking=True)
+        self._pending.append((self._had_grad, isinstance(flag, Tensor)))
+        self.calls.append(self.call)
         self.steps += 1
+        if len(self._pending) == WINDOW:
+            self._fold()
+
+    def _fold(self) -> None:
+        """The pending steps into the table, all at once (device ops only, no sync): each step's
+        ratio, the running median of the ``WINDOW`` ratios before it, spikes, last figures, rings."""
+        s, pending = self._state, self._pending
+        if s is None or not pending:
+            return
+        k, n, dev = len(pending), len(self.params), s["norm"].device
+        first = self.steps - k  # the step index of the first pending step
+        stepped = torch.tensor([had for had, _flag in pending], dtype=torch.bool).to(dev, non_blocking=True)  # (k, n)
+        flagged = torch.tensor([f for _had, f in pending], dtype=torch.bool).to(dev, non_blocking=True)
+        taken = (s["flag"][:k] > 0) & flagged  # (k,): steps fxdebug.guard took back
+        upd = torch.where(taken[:, None], 0.0, s["upd"][:k])  # a step taken back moved nothing
+        wn = s["wn"][:k]
+        applied = stepped & ~taken[:, None]
+        ratio = torch.where(applied & (wn > 0), upd / wn, float("nan"))  # (k, n); NaN: outside the median
+        # each step's running median: over the WINDOW ratios before it (the ring, then the block)
+        seen = torch.cat([s["history"], ratio.t()], dim=1)  # (n, WINDOW + k), oldest first
+        windows = seen.unfold(1, WINDOW, 1)[:, :k]  # (n, k, WINDOW): window j ends just before step j
+        median = windows.nanmedian(dim=2).values
+        enough = (~windows.isnan()).sum(2) >= WARMUP
+        r = ratio.t()
+        jump = torch.where(enough & (median > 0) & ~r.isnan(), r / median, 0.0)
+        jump = torch.nan_to_num(jump, nan=0.0, posinf=float(torch.finfo(torch.float32).max))
+        at = jump.argmax(dim=1, keepdim=True)  # the first step of the block with the largest jump
+        best = jump.gather(1, at).squeeze(1)
+        higher = best > s["spike"]
+        s["spike"] = torch.where(higher, best, s["spike"])
+        s["spike_ratio"] = torch.where(higher, r.gather(1, at).squeeze(1), s["spike_ratio"])
+        s["spike_step"] = torch.where(higher, at.squeeze(1) + first, s["spike_step"])
+        # the last figures: from each parameter's last step with a gradient in the block, if any
+        last = torch.where(stepped, torch.arange(k, device=dev)[:, None], -1).amax(dim=0, keepdim=True)  # (1, n)
+        has = last.squeeze(0) >= 0
+        at_last = last.clamp(min=0)
+        shown = torch.where(taken[:, None], 0.0, ratio)  # a step taken back: an update of 0
+        s["norm"] = torch.where(has, upd.gather(0, at_last).squeeze(0), s["norm"])
+        s["ratio"] = torch.where(has, shown.gather(0, at_last).squeeze(0), s["ratio"])
+        s["history"] = seen[:, -WINDOW:].contiguous()
+        s["norms"] = torch.cat([s["norms"], torch.where(stepped, upd, float("nan")).t()], dim=1)[:, -WINDOW:].contiguous()
+        s["skipped_ring"] = torch.cat([s["skipped_ring"], taken])[-WINDOW:].contiguous()
+        s["skipped"] = taken[-1].clone()
+        self._pending = []
+        del self.calls[:-WINDOW]
 
     def host(self) -> dict[str, list[Any]] | None:
         """The table as Python lists (the one sync)."""
+        self._fold()
         if self._state is None or self._state["norm"].device.type == "meta":
             return None
-        return {k: v.cpu().tolist() for k, v in self._state.items() if k not in _RINGS}
+        return {k: self._state[k].cpu().tolist() for k in _LAST}
 
     def per_step(self) -> list[tuple[int, int, list[float | None], list[float | None], bool]]:
         """``[(step, forward call, update norms, update ratios, taken back), ...]`` of the steps in
-        the ring, oldest first (one read of the rings)."""
+        the rings, oldest first (one read of the rings)."""
+        self._fold()
         state = self._state
         if state is None or not self.steps or state["norm"].device.type == "meta":
             return []
         norms, ratios, skipped = (state[k].cpu() for k in ("norms", "history", "skipped_ring"))
-        n = min(self.steps, WINDOW)
+        n = min(self.steps, WINDOW, len(self.calls))
         out = []
-        for step in range(self.steps - n, self.steps):
-            slot = step % WINDOW
-            out.append((step, self.calls[slot], [_num(v) for v in norms[:, slot].tolist()],
-                        [_num(v) for v in ratios[:, slot].tolist()], bool(skipped[slot])))
+        for j in range(n):
+            col = WINDOW - n + j
+            out.append((self.steps - n + j, self.calls[len(self.calls) - n + j],
+                        [_num(v) for v in norms[:, col].tolist()], [_num(v) for v in ratios[:, col].tolist()],
+                        bool(skipped[col])))
         return out
+
+    def ratios(self) -> tuple[Tensor, int] | None:
+        """The ratio ring (parameters x ``WINDOW``, oldest first) and how many of its steps are real."""
+        self._fold()
+        state = self._state
+        if state is None or not self.steps or state["history"].device.type == "meta":
+            return None
+        return state["history"], min(self.steps, WINDOW)
 
     def had_grad(self, i: int) -> bool:
         """Whether parameter ``i`` had a gradient in the last step."""
@@ -316,14 +375,12 @@ class ParamUpdates(fxdebug.Pass):
     def history(self) -> dict[str, list[float | None]]:
         """``{parameter name: its update ratios of the last (up to) 64 steps, oldest first}``
         (``None`` for a step it had no gradient in); reads the device ring once."""
-        state = self.table._state
-        steps = self.table.steps
-        if state is None or not steps or state["history"].device.type == "meta":
+        got = self.table.ratios()
+        if got is None:
             return {}
-        ring = state["history"].cpu()
-        n = min(steps, WINDOW)
-        order = [(steps - n + i) % WINDOW for i in range(n)]
-        return {self.table.name(p): [_num(v) for v in ring[i, order].tolist()] for i, p in enumerate(self.table.params)}
+        ring, n = got
+        recent = ring[:, WINDOW - n:].cpu()
+        return {self.table.name(p): [_num(v) for v in recent[i].tolist()] for i, p in enumerate(self.table.params)}
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         tracked = set(self.table.index)

@@ -177,3 +177,40 @@ def test_a_step_the_guard_took_back_shows_no_update(kind: str, watch_inner: bool
     assert bad["update_skipped"] is True and bad["update_norm"] == 0.0
     assert good["update_skipped"] is False and good["update_norm"] > 0
     assert hist.at(4).nonfinite  # the recorder itself still shows the NaN call
+
+
+def test_figures_folded_in_blocks_equal_a_step_by_step_reference_without_a_sync() -> None:
+    """The table folds its pending steps every 64 steps and when read: the figures, spikes and
+    history must be those of a plain per-step computation, across folds and mid-run reads."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD([{"params": model.fc1.parameters()}, {"params": model.fc2.parameters()}], lr=1e-2,
+                          momentum=0.9)
+    watch = ParamUpdates(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ratios: list[list[float]] = [[] for _ in params]
+    spike = [(0.0, -1)] * len(params)
+    syncs = 0
+    for i, x in enumerate(data(140)):
+        opt.param_groups[1]["lr"] = 1.0 if i in (70, 130) else 1e-2
+        before = [p.detach().clone() for p in params]
+        model(x).square().mean().backward()
+        with CountSyncs() as counter:
+            opt.step()
+        syncs += counter.syncs
+        opt.zero_grad()
+        for j, (p, b) in enumerate(zip(params, before)):
+            r = float((p.detach() - b).norm() / b.norm())
+            prev = torch.tensor(ratios[j][-64:])
+            if len(prev) >= 3 and float(prev.nanmedian()) > 0 and r / float(prev.nanmedian()) > spike[j][0]:
+                spike[j] = (r / float(prev.nanmedian()), i)
+            ratios[j].append(r)
+        if i in (40, 100):  # a read between folds
+            assert [r["update_ratio"] for r in watch.rows()] == pytest.approx([rs[-1] for rs in ratios], rel=1e-4)
+    assert syncs == 0
+    rows = watch.rows()
+    assert [r["update_ratio"] for r in rows] == pytest.approx([rs[-1] for rs in ratios], rel=1e-4)
+    assert [r["update_spike_step"] for r in rows] == [s[1] for s in spike]
+    assert [r["update_spike"] for r in rows] == pytest.approx([s[0] for s in spike], rel=1e-3)
+    assert all(s[1] in (70, 130) and s[0] >= 10 for s in spike[2:])  # the lr spikes on group 1 (fc2)
+    assert list(watch.history().values()) == [pytest.approx(rs[-64:], rel=1e-4) for rs in ratios]
