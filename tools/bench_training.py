@@ -9,9 +9,11 @@ times; the median time and the ratio to the plain loop with its min/max.
 differs). Each variant runs ``--steps`` steps per round; rounds of all variants interleave (machine
 load drifts evenly over them); the figure is the median per-step time over ``--rounds`` rounds and
 the spread (min..max of the per-round ratios), each round's time paired with the plain loop's
-of the same round; a second plain loop (``plain again``) shows the noise of the ratio itself.
+of the same round; a second plain loop (``plain again``) shows the noise of the ratio itself. Each
+round also times ``step()`` alone on one batch's gradients kept (``hot``: the aid's own work with warm
+caches, the steadiest figure on a loaded machine).
 
-    OMP_NUM_THREADS=1 python tools/bench_training.py [--what probes|aids|all] [--repeats 5] [--rounds 15] [--steps 20]
+    OMP_NUM_THREADS=1 python tools/bench_training.py [--what probes|aids|all] [--repeats 5] [--rounds 25] [--steps 20]
         [--batch 8 32] [--only SGD AdamW]
 """
 
@@ -60,7 +62,9 @@ def model(width: int, depth: int) -> nn.Module:
 
 
 def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: int, depth: int,
-         batch: int) -> Callable[[int], tuple[float, float]]:
+         batch: int) -> tuple[Callable[[int], tuple[float, float]], Callable[[int], float]]:
+    """``(run, hot)``: ``run(steps)`` times the loop, ``hot(steps)`` times ``step()`` alone on one
+    batch's gradients kept (caches warm: the aid's own work, with the least noise)."""
     net = model(width, depth)
     opt: Any = make_opt(net.parameters())
     if variant == "guard":
@@ -70,11 +74,10 @@ def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: 
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 16, width, generator=gen)
     y = torch.randint(0, 10, (batch, 16), generator=gen)
+    clock = time.process_time  # CPU time of this process (steadier than wall time on a shared machine)
 
     def run(steps: int) -> tuple[float, float]:
-        """(loop time, ``step()`` time) per step, CPU time of this process (steadier than wall time on
-        a shared machine)."""
-        clock = time.process_time
+        """(loop time, ``step()`` time) per step."""
         in_step = 0.0
         t0 = clock()
         for _ in range(steps):
@@ -86,8 +89,19 @@ def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: 
             opt.zero_grad()
         return (clock() - t0) / steps, in_step / steps
 
+    def hot(steps: int) -> float:
+        """``step()`` time per step, ``steps`` steps on the same gradients."""
+        torch.nn.functional.cross_entropy(net(x).reshape(-1, 10), y.reshape(-1)).backward()
+        t0 = clock()
+        for _ in range(steps):
+            opt.step()
+        took = (clock() - t0) / steps
+        opt.zero_grad()
+        return took
+
     run(3)  # warm-up (lazy optimizer state, allocator)
-    return run
+    hot(2)
+    return run, hot
 
 
 def probes(args: argparse.Namespace) -> None:
@@ -145,19 +159,23 @@ def aids(args: argparse.Namespace) -> None:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s), load average "
           f"{load}; model: {args.depth} blocks of width {args.width} ({params / 1e6:.2f}M parameters), 16 tokens per "
-          f"sample; {args.rounds} rounds x {args.steps} steps; loop: paired ratio to the plain loop, median (min..max)")
+          f"sample; {args.rounds} rounds x {args.steps} steps; loop: paired ratio to the plain loop, median (min..max); "
+          f"step +us: in the loop; hot +us: step() alone, {args.steps} steps on kept gradients")
     variants = ("plain", "plain again", "guard", "param_updates")
     print(f"{'optimizer':<16} {'batch':>5} {'plain ms':>8} {'plain again (noise)':>20} {'guard loop':>20} "
-          f"{'guard step +us':>18} {'-> ratio':>8} {'ParamUpdates loop':>20} {'PU step +us':>16} {'-> ratio':>8}")
+          f"{'guard step +us':>18} {'-> ratio':>8} {'hot +us':>14} {'-> ratio':>8} {'ParamUpdates loop':>20} "
+          f"{'PU step +us':>18} {'-> ratio':>8} {'hot +us':>14} {'-> ratio':>8}")
     for batch in args.batch:
         for name, make in OPTIMIZERS.items():
             if args.only and not any(o.lower() in name.lower() for o in args.only):
                 continue
             runs = {v: loop("plain" if v == "plain again" else v, make, args.width, args.depth, batch) for v in variants}
             times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+            hots: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(args.rounds):
                 for v in variants[r % len(variants):] + variants[:r % len(variants)]:
-                    times[v].append(runs[v](args.steps))
+                    times[v].append(runs[v][0](args.steps))
+                    hots[v].append(runs[v][1](args.steps))
             plain = [t for t, _ in times["plain"]]
             plain_ms = statistics.median(plain)
 
@@ -165,13 +183,19 @@ def aids(args: argparse.Namespace) -> None:
                 rs = [a / b for (a, _), b in zip(times[v], plain)]
                 return f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})"
 
-            def step_cost(v: str) -> str:
-                us = [(a - b) * 1e6 for (_, a), (_, b) in zip(times[v], times["plain"])]
+            def cost(us: list[float]) -> str:
                 mid = statistics.median(us)
                 return f"{mid:6.0f} ({min(us):.0f}..{max(us):.0f}) {1 + mid / 1e6 / plain_ms:8.3f}"
 
+            def step_cost(v: str) -> str:
+                return cost([(a - b) * 1e6 for (_, a), (_, b) in zip(times[v], times["plain"])])
+
+            def hot_cost(v: str) -> str:
+                return cost([(a - b) * 1e6 for a, b in zip(hots[v], hots["plain"])])
+
             print(f"{name:<16} {batch:>5} {plain_ms * 1e3:>8.2f} {ratio('plain again'):>20} {ratio('guard'):>20} "
-                  f"{step_cost('guard'):>27} {ratio('param_updates'):>20} {step_cost('param_updates'):>25}", flush=True)
+                  f"{step_cost('guard'):>27} {hot_cost('guard'):>23} {ratio('param_updates'):>20} "
+                  f"{step_cost('param_updates'):>27} {hot_cost('param_updates'):>23}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -179,7 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--what", choices=("probes", "aids", "all"), default="all")
     ap.add_argument("--repeats", type=int, default=5, help="probes: interleaved repeats")
-    ap.add_argument("--rounds", type=int, default=15, help="aids: interleaved rounds")
+    ap.add_argument("--rounds", type=int, default=25, help="aids: interleaved rounds")
     ap.add_argument("--steps", type=int, default=20, help="aids: steps per round")
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--depth", type=int, default=4)
