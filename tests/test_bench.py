@@ -105,6 +105,6 @@ def test_debug_suite_runs_and_writes_its_table(tmp_path):
         torch.set_num_threads(threads)
     assert out.read_text().strip() == text.strip()
     for model in ("zoo residual_cnn", "mlp 20x256 batch 2"):
-        assert re.search(rf"\| {re.escape(model)} \| symbolic \| \d+ \|", text)
+        assert re.search(rf"\| {re.escape(model)} \| (symbolic|dynamo) \| \d+ \|", text)  # the default frontend
     assert "hooks .item()" in text and "hooks sum" in text and "Forward + backward" in text
     assert "| runtime kernel | c++ |" in text

@@ -199,7 +199,7 @@ def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
     elif v.kind == "output":
         head = "output"
     else:
-        head = f"{v.name} : {short_op(v.label)}"
+        head = f"{shown_name(v)} : {short_op(v.label)}"
     lines = [head]
     if v.shape is not None:
         lines.append(f"{shape_text(v.shape)} {v.dtype or ''}".rstrip())
@@ -231,6 +231,16 @@ def node_label(v: VisNode, columns: Sequence[Column] = ()) -> list[str]:
     if v.auto_leaf:
         lines.append("auto-leaf (not traced inside)")
     return lines
+
+
+def shown_name(v: VisNode) -> str:
+    """A node's name as drawn: inside its module's cluster the module path it starts with is implied
+    (``encoder_block_0_layer_0_SelfAttention_q`` in cluster ``encoder.block.0.layer.0.SelfAttention``
+    is drawn ``…_q``); the full name stays in the box's title and tooltip."""
+    prefix = v.module.replace(".", "_") + "_" if v.module else ""
+    if prefix and v.name.startswith(prefix) and len(v.name) > len(prefix):
+        return "…_" + v.name[len(prefix):]
+    return v.name
 
 
 def short_op(label: str) -> str:

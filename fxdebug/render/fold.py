@@ -156,6 +156,10 @@ def place_plumbing(view: GraphView) -> None:
     """Move plumbing into the deepest cluster that consumes all of it (users first, so chains move)."""
     _mark_plumbing(view)
     users = _users(view)
+    # plumbing nothing reads (Dynamo keeps an unused ``torch.arange`` in its graph): dead code, not drawn
+    _drop(view, {v.name for v in view.nodes.values() if v.plumbing and v.kind not in ("placeholder", "output")
+                 and not users[v.name] and not (v.origin or v.grad_origin or v.failed)})
+    users = _users(view)
     for v in reversed(list(view.nodes.values())):
         if not v.plumbing or v.kind == "placeholder" or not users[v.name]:
             continue
