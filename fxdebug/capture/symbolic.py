@@ -246,19 +246,21 @@ def capture_symbolic(
     start = time.perf_counter()
     by_type = tuple(x for x in leaf_modules if isinstance(x, type))
     leaves = {x for x in leaf_modules if isinstance(x, str)}
-    leaves |= {name for name, m in model.named_modules() if by_type and isinstance(m, by_type) and name}
+    named = list(model.named_modules())  # one walk before the trace (leaves by type, attempts, lazy modules)
+    if by_type:
+        leaves |= {name for name, m in named if isinstance(m, by_type) and name}
     info = TraceInfo(user_leaves=tuple(sorted(leaves)))
     concrete: dict[str, Any] = _optional_none_args(model, inputs)
     if concrete:
         info.notes.append(f"arguments left at None are pinned to None in the graph: {sorted(concrete)}")
-    max_attempts = sum(1 for _ in model.named_modules()) + 2
+    max_attempts = len(named) + 2
     own_attributes = set(model.__dict__)
     refuse_namespace_clash(model, "symbolic")
     if inputs is not None:  # the pipeline runs them on the graph: a lazy module would materialize
-        refuse_uninitialized(model, "symbolic")
+        refuse_uninitialized(model, "symbolic", named)
     try:
         with untouched_state(model):  # forward's Python runs once: random draws, list appends leave no trace
-            graph = _trace_with_leaves(model, inputs, leaves, concrete, info, auto_leaf, max_attempts)
+            graph, named = _trace_with_leaves(model, inputs, leaves, concrete, info, auto_leaf, max_attempts)
     finally:
         # FX stores tensors created in forward (torch.ones(4)) on the root as _tensor_constant*;
         # take them back off the user's model, which fxdebug never mutates.
@@ -266,16 +268,18 @@ def capture_symbolic(
             info.constants[name] = model.__dict__.pop(name)
     info.concrete_args = concrete
     _fresh_list_arguments(graph)
-    _annotate(graph, model, info)
-    info.live = _live_guard(model, graph, concrete)
+    _annotate(graph, model, info, named)
+    info.live = _live_guard(model, graph, concrete, named)
     info.seconds = time.perf_counter() - start
     return graph, info
 
 
-def _live_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any]) -> LiveGuard:
-    """The modules the graph traced through (not called as modules) and the arguments it takes."""
+def _live_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any],
+                named: list[tuple[str, nn.Module]]) -> LiveGuard:
+    """The modules the graph traced through (not called as modules) and the arguments it takes.
+    ``named``: ``model.named_modules()``, walked once after the trace."""
     leaves = {str(n.target) for n in graph.nodes if n.op == "call_module"}
-    inlined = [m for p, m in model.named_modules() if p and not _under_a_leaf(p, leaves)]
+    inlined = [m for p, m in named if p and not _under_a_leaf(p, leaves)]
     targets = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
     names = frozenset(t.lstrip("*") for t in targets)
     return LiveGuard(model, "symbolic", inlined, (names, dict(concrete), any(t.startswith("**") for t in targets)))
@@ -323,8 +327,9 @@ def _trace_with_leaves(
     info: TraceInfo,
     auto_leaf: bool,
     max_attempts: int,
-) -> Graph:
-    """Trace, turning the innermost failing module into a leaf after each failure."""
+) -> tuple[Graph, list[tuple[str, nn.Module]]]:
+    """Trace, turning the innermost failing module into a leaf after each failure; the graph and
+    ``model.named_modules()`` after the trace (one walk, shared by what follows it)."""
     for _ in range(max_attempts):
         tracer = _FailureLocatingTracer(leaves)
         try:
@@ -344,7 +349,8 @@ def _trace_with_leaves(
                 info.notes.append(f"pinned forward arguments to their defaults: {sorted(fixed)}")
                 continue
             raise _trace_error(model, failed, exc, auto_leaf) from exc
-        paths = {id(m): p for p, m in model.named_modules()}
+        named = list(model.named_modules())
+        paths = {id(m): p for p, m in named}
         info.guards = [(paths[key[0]], key[1], value) for key, (_, value) in tracer.fxdebug_reads.items()
                        if key[0] in paths]
         for path in sorted(tracer.hooked - set(info.auto_leaves)):
@@ -353,7 +359,7 @@ def _trace_with_leaves(
                 "has forward/backward hooks: called as a module so that they run at every call", None)
         if has_call_hooks(model):
             info.notes.append("the model's own forward/backward hooks run at every call of the instrumented module")
-        return graph
+        return graph, named
     raise TraceError(f"tracing {type(model).__name__} did not converge after {max_attempts} attempts.")
 
 
@@ -399,10 +405,10 @@ def _restore_argument_names(graph: Graph, model: nn.Module) -> None:
             ph.target = name
 
 
-def _annotate(graph: Graph, model: nn.Module, info: TraceInfo) -> None:
+def _annotate(graph: Graph, model: nn.Module, info: TraceInfo, named: list[tuple[str, nn.Module]]) -> None:
     """Record on every node the module that owns it (functional calls and methods included)."""
     _restore_argument_names(graph, model)
-    modules = dict(model.named_modules())
+    modules = dict(named)
     for node in graph.nodes:
         meta = fx_meta(node)
         if node.op == "call_module":

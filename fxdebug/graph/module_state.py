@@ -192,14 +192,15 @@ def restore_random_state(saved: list[tuple[Any, Any]]) -> None:
             owner.set_state(state)
 
 
-def refuse_uninitialized(root: nn.Module, frontend: str) -> None:
+def refuse_uninitialized(root: nn.Module, frontend: str, named: list[tuple[str, nn.Module]] | None = None) -> None:
     """Lazy modules (``nn.LazyLinear``) not yet run: a capture on example inputs would materialize them
-    on the user's model. Raise a ``TraceError`` naming the module instead."""
+    on the user's model. Raise a ``TraceError`` naming the module instead. ``named``: ``root.named_modules()``
+    where the caller walked them already."""
     from torch.nn.parameter import is_lazy
 
     from fxdebug.errors import TraceError
 
-    for path, m in root.named_modules():
+    for path, m in (named if named is not None else root.named_modules()):
         if any(is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None):
             raise TraceError(
                 f"module '{path or '<root>'}' ({type(m).__name__}) is a lazy module that has not run yet: its "
