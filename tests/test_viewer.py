@@ -101,9 +101,9 @@ def test_demo_viewer(browser: Any, demo: tuple[Any, str]) -> None:
     assert {"stage2_conv", "stage2_act"} <= drawn(browser)
     # The NaN origin is one click away and highlighted; its panel shows statistics and provenance.
     button = browser.find_element(By.CSS_SELECTOR, "button.finding.origin")
-    assert button.get_attribute("data-finding") == dbg.report().first_nonfinite == "log"
+    assert button.get_attribute("data-finding") == origin
     button.click()
-    node = browser.find_element(By.CSS_SELECTOR, '[data-node="log"]')
+    node = browser.find_element(By.CSS_SELECTOR, f'[data-node="{origin}"]')
     assert "origin" in node.get_attribute("class").split()
     panel = browser.find_element(By.ID, "details").text
     assert "NaN/Inf ORIGIN" in panel and "head" in panel and "observed by" in panel
