@@ -279,7 +279,7 @@ def _live_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any],
     """The modules the graph traced through (not called as modules) and the arguments it takes.
     ``named``: ``model.named_modules()``, walked once after the trace."""
     leaves = {str(n.target) for n in graph.nodes if n.op == "call_module"}
-    inlined = [m for p, m in named if p and not _under_a_leaf(p, leaves)]
+    inlined = [m for p, m in named if p and p not in leaves and not _under_a_leaf(p, leaves)]  # a leaf itself: no split
     targets = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
     names = frozenset(t.lstrip("*") for t in targets)
     return LiveGuard(model, "symbolic", inlined, (names, dict(concrete), any(t.startswith("**") for t in targets)))

@@ -201,7 +201,8 @@ def refuse_uninitialized(root: nn.Module, frontend: str, named: list[tuple[str, 
     from fxdebug.errors import TraceError
 
     for path, m in (named if named is not None else root.named_modules()):
-        if any(is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None):
+        if (m._parameters and any(is_lazy(t) for t in m._parameters.values() if t is not None)) or \
+                (m._buffers and any(is_lazy(t) for t in m._buffers.values() if t is not None)):
             raise TraceError(
                 f"module '{path or '<root>'}' ({type(m).__name__}) is a lazy module that has not run yet: its "
                 f"parameters have no shape. Capturing with frontend='{frontend}' runs the example inputs, which "
