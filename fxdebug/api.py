@@ -226,6 +226,13 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
         try:
             with preserved_state(model):  # buffers, Python state and RNG as they were: the call only captures
                 gm(*args, **kwargs)
+            for variant in _example_variants(passes):  # further examples a pass asks for (other sizes): captured too
+                more = normalize_inputs(variant)
+                if more is not None:
+                    check_example_inputs(model, more)
+                    more_args, more_kwargs = clone_inputs(more)
+                    with preserved_state(model):
+                        gm(*more_args, **more_kwargs)
         finally:
             gm.__dict__["_examples"] = False
         gm.reset()
@@ -234,6 +241,13 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
     if check:
         verify(gm, example_inputs).raise_if_failed()
     return gm
+
+
+def _example_variants(passes: list[Pass]) -> list[Any]:
+    """Example inputs a pass asks a live module to capture besides ``example_inputs`` (its
+    ``example_variants``: another batch size or sequence length); a snapshot frontend's pass runs them
+    on its one graph itself."""
+    return [v for p in passes for v in getattr(p, "example_variants", ()) or ()]
 
 
 def render(model_or_gm: nn.Module, path: str, example_inputs: Any = None, **options: Any) -> str:

@@ -123,13 +123,17 @@ class ShapeAssert(fxdebug.Pass):
         self.dynamic_dims = tuple(dynamic_dims)
         self.other_inputs = other_inputs
         self.check_dtype = check_dtype
+        # a live (Dynamo) module captures these too, quietly, at instrument(): a graph specialised to the first
+        # example's sizes cannot run them, so their own capture is where the differing dims are learnt
+        self.example_variants = () if other_inputs is None else (other_inputs,)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         specs = dict(ctx.specs(gm))
+        other_run = False
         try:
             other = PassContext(self.other_inputs).specs(gm) if self.other_inputs is not None else {}
-        except fxdebug.FxDebugError:  # a live capture's graph is specialised to its first call's sizes
-            other = {}
+        except fxdebug.FxDebugError:  # a live capture's graph is specialised to the sizes it was captured on
+            other, other_run = {}, self._ran_on_other_inputs(gm, specs)
         names = _SymbolNames(gm, specs)
         symbolic: dict[str, Dims] = {}
         for name, spec in specs.items():
@@ -138,6 +142,8 @@ class ShapeAssert(fxdebug.Pass):
         # A live (Dynamo) module hands over a new graph for each recompile (another shape, mode or keyword), all over
         # the model's own module dictionary, with stable node names: the first capture's expectation holds for them
         first = self._expected(gm)
+        if other_run:
+            _widen(first, specs, {n.name for n in gm.graph.nodes if n.op == "get_attr"})
         for name, (spec, dims) in first.items():
             if isinstance(specs.get(name), TensorSpec) and len(specs[name].shape) == len(spec.shape):
                 specs[name], symbolic[name] = spec, dims
@@ -169,6 +175,22 @@ class ShapeAssert(fxdebug.Pass):
                 added.append(ctx.observe(node, probes[node.name]))
         return PassResult(gm, added=added)
 
+    def _ran_on_other_inputs(self, gm: GraphModule, specs: dict[str, Any]) -> bool:
+        """Whether this (live) graph was captured on ``other_inputs``: its tensor inputs have their shapes."""
+        leaves: list[Any] = []
+        stack = [self.other_inputs]
+        while stack:  # the tensors of (args...), {kwargs}, nested lists/tuples/dicts, in order
+            item = stack.pop(0)
+            if isinstance(item, dict):
+                stack[:0] = list(item.values())
+            elif isinstance(item, (list, tuple)):
+                stack[:0] = list(item)
+            elif isinstance(item, Tensor):
+                leaves.append(tuple(item.shape))
+        shapes = [tuple(specs[n.name].shape) for n in gm.graph.nodes
+                  if n.op == "placeholder" and isinstance(specs.get(n.name), TensorSpec)]
+        return bool(leaves) and shapes == leaves
+
     def _expected(self, gm: GraphModule) -> dict[str, tuple[TensorSpec, Dims]]:
         """``{node: (spec, symbolic dims)}`` first learnt for the model behind ``gm`` (keyed by its module table,
         which every graph of one live capture shares; a snapshot graph has its own)."""
@@ -189,6 +211,32 @@ class ShapeAssert(fxdebug.Pass):
         if isinstance(other, TensorSpec) and len(other.shape) == rank:
             dims |= {i for i, (a, b) in enumerate(zip(spec.shape, other.shape)) if a != b}
         return dims
+
+
+def _widen(first: dict[str, tuple[TensorSpec, Dims]], specs: dict[str, Any], weights: set[str]) -> None:
+    """Make every dim symbolic in which the other example's graph (``specs``) differs from the first capture,
+    then letter them again in graph order by size (the batch size ``N``), as a snapshot graph's are; the
+    weights a live graph reads (``weights``) are lettered last, so they do not take the activations' letters."""
+    grown = {}
+    for name, (spec, dims) in first.items():
+        now = specs.get(name)
+        differ: set[int] = set()
+        if isinstance(now, TensorSpec) and len(now.shape) == len(spec.shape):
+            differ = {i for i, (a, b) in enumerate(zip(spec.shape, now.shape)) if a != b}
+        grown[name] = set(dims) | differ
+    batch = next((spec.shape[0] for spec, dims in first.values() if dims.get(0) == "N"), None)
+    letters: dict[int, str] = {} if batch is None else {batch: "N"}
+    order = [k for k in first if k not in weights] + [k for k in first if k in weights]
+    for name in order:
+        spec = first[name][0]
+        lettered = {}
+        for i in sorted(grown[name]):
+            size = spec.shape[i]
+            if size not in letters:
+                used = set(letters.values())
+                letters[size] = next((c for c in _LETTERS if c not in used), f"s{size}")
+            lettered[i] = letters[size]
+        first[name] = (spec, lettered)
 
 
 class _SymbolNames:

@@ -63,6 +63,20 @@ def test_dims_differing_between_two_example_inputs_are_symbolic():
         strict(torch.randn(3, 5, 16))
 
 
+def test_a_live_module_learns_the_other_inputs_at_instrument_time():
+    # a live graph is specialised to its capture's sizes: the other example is captured quietly at instrument(),
+    # so a third length (neither example's) already passes, and the dims that did not differ are still checked
+    model, (x,) = ZOO["transformer_block"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [ShapeAssert(other_inputs=(torch.randn(3, 9, 16),))], example_inputs=(x,),
+                             frontend="dynamo")
+    assert dbg.report().rows and all(r["calls"] == 0 for r in dbg.report().rows)  # the quiet captures count no call
+    third = torch.randn(4, 7, 16)
+    torch.testing.assert_close(dbg(third), model(third))
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"produced \(N, L, 8\); expected \(N, L, 16\)"):
+        dbg(torch.randn(4, 7, 8))
+
+
 def test_dtype_is_checked():
     model = nn.Linear(4, 2)
     dbg = fxdebug.instrument(model, [ShapeAssert()], example_inputs=(torch.randn(3, 4),))
