@@ -332,6 +332,8 @@ def unbatch(gm: GraphModule, batch: Node) -> None:
 
 def find_lowered(node: Node) -> Node | None:
     """The lowered op call observing ``node`` (splitting a batch that holds it), or ``None``."""
+    if not any(u.op == "call_function" for u in node.users):  # lowered calls and batches are call_function
+        return None
     gm = node.graph.owning_module
     for u in list(node.users):
         meta = fx_meta(u)
