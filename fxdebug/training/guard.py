@@ -92,6 +92,7 @@ class Guard(torch.optim.Optimizer):
     _log: Tensor | None
     _origin_log: Tensor | None
     _ring: Tensor | None
+    _ring_slots: tuple[Tensor, ...]
     _origin_ring: Tensor | None
     _ring_steps: list[int]
     _watch: dict[str, Any] | None
@@ -99,7 +100,7 @@ class Guard(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, dbg: Any = None) -> None:
         self.__dict__.update(optimizer=optimizer, dbg=dbg, steps=0, _skipped=None, _log=None, _origin_log=None,
-                             _ring=None, _origin_ring=None, _ring_steps=[], _watch=None, _buffers={}, _plan=None,
+                             _ring=None, _ring_slots=(), _origin_ring=None, _ring_steps=[], _watch=None, _buffers={}, _plan=None,
                              _found={}, _all_state=None)
         for group in optimizer.param_groups:
             _prepare_group(optimizer, group)
@@ -342,8 +343,9 @@ class Guard(torch.optim.Optimizer):
         if ring is None or ring.device != bad.device:
             self._fold()
             ring = self._ring = torch.empty(_RING, dtype=torch.float32, device=bad.device)
+            self.__dict__["_ring_slots"] = ring.unbind(0)  # one view per slot, made once
         i = len(self._ring_steps)
-        ring.select(0, i).copy_(bad)
+        self._ring_slots[i].copy_(bad)
         self._ring_steps.append(self.steps)
         watch = self._watch
         if watch is not None and watch.get("delta") is not None:

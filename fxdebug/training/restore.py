@@ -87,7 +87,7 @@ class _Plan:
 
     def save(self, bad: Tensor) -> None:
         """Before the step: the copies (the conditional ones only when ``bad``)."""
-        self._skip = 1.0 - bad  # found_inf of the conditional copies: 1.0 (return at once) on a good step
+        self._skip = torch.rsub(bad, 1.0)  # found_inf of the conditional copies: 1.0 (return at once) on a good step
         for i, (dev, ts, bs, scratch) in enumerate(list(self.copies)):
             try:
                 _copy_if(bs, ts, scratch, _on(self._skip, dev))
