@@ -6,12 +6,11 @@ times; the median time and the ratio to the plain loop with its min/max.
 
 ``aids``: ``fxdebug.guard`` and ``ParamUpdates`` on an optimizer loop (forward + loss + backward +
 ``step()`` + ``zero_grad()`` of a small transformer-style MLP stack, plain PyTorch, so only the aid
-differs). Each variant runs ``--steps`` steps per round; rounds of all variants interleave (machine
-load drifts evenly over them); the figure is the median per-step time over ``--rounds`` rounds and
-the spread (min..max of the per-round ratios), each round's time paired with the plain loop's
-of the same round; a second plain loop (``plain again``) shows the noise of the ratio itself. Each
-round also times ``step()`` alone on one batch's gradients kept (``hot``: the aid's own work with warm
-caches, the steadiest figure on a loaded machine).
+differs). The variants' training steps interleave one by one (rotating order), ``--rounds`` x
+``--steps`` steps each, so each step pairs with the plain loop's step next to it in time; the figure
+is 1 + the median (and quartiles) of those paired differences over the plain loop's median step; a
+second plain loop (``plain again``) shows the noise of the figure itself. Each round also times
+``step()`` alone on one batch's gradients kept (``hot``: the aid's own work with warm caches).
 
     OMP_NUM_THREADS=1 python tools/bench_training.py [--what probes|aids|all] [--repeats 5] [--rounds 25] [--steps 20]
         [--batch 8 32] [--only SGD AdamW]
@@ -144,23 +143,25 @@ def probes(args: argparse.Namespace) -> None:
 def aids(args: argparse.Namespace) -> None:
     """``fxdebug.guard`` and ``ParamUpdates`` on an optimizer loop vs the same loop without them.
 
-    Each round runs every variant once (``--steps`` steps, CPU time of the process), in an order
-    that rotates from round to round; a variant's figure is the median over rounds of its time
-    divided by the plain loop's time *in the same round* (paired), with the min..max of those
-    ratios. ``plain again`` is a second, separately built plain loop: its ratio is the noise of
-    the measurement itself (what a ratio of 1.00 looks like on this machine, now).
+    The variants' training steps interleave one by one (CPU time of the process, rotating order):
+    each of a variant's steps is paired with the plain loop's step next to it in time. ``loop`` is
+    1 + the median (quartiles) of those paired differences over the plain loop's median step.
+    ``plain again`` is a second, separately built plain loop: its figure is the noise of the
+    measurement itself (what 1.00 looks like on this machine, now).
 
-    ``step +us`` times ``step()`` alone (the aid's own work) in the same rounds: the median (min..max)
-    of the per-round differences to the plain loop's ``step()``; ``-> ratio`` is 1 + that median over
+    ``step +us`` times ``step()`` alone (the aid's own work) in the same steps: the median (quartiles)
+    of the paired differences to the plain loop's ``step()``; ``-> ratio`` is 1 + that median over
     the plain loop's time per step — free of the forward/backward's noise, which dominates the
-    whole loop's ratio on a loaded machine."""
+    whole loop's figure on a loaded machine. ``hot +us``: ``step()`` alone, ``--steps`` steps on one
+    batch's gradients kept, once per round (warm caches: the least the aid costs)    whole loop's ratio on a loaded machine."""
     torch.set_num_threads(args.threads)
     params = sum(p.numel() for p in model(args.width, args.depth).parameters())
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {os.cpu_count()} CPU(s), load average "
           f"{load}; model: {args.depth} blocks of width {args.width} ({params / 1e6:.2f}M parameters), 16 tokens per "
-          f"sample; {args.rounds} rounds x {args.steps} steps; loop: paired ratio to the plain loop, median (min..max); "
-          f"step +us: in the loop; hot +us: step() alone, {args.steps} steps on kept gradients")
+          f"sample; {args.rounds} rounds x {args.steps} steps, the variants' steps interleaved one by one; loop: 1 + the "
+          f"median (quartiles) of each step's paired difference to the plain loop's over its time; step +us: the same "
+          f"for step() alone in the loop; hot +us: step() alone, {args.steps} steps on kept gradients, per round")
     variants = ("plain", "plain again", "guard", "param_updates")
     print(f"{'optimizer':<16} {'batch':>5} {'plain ms':>8} {'plain again (noise)':>20} {'guard loop':>20} "
           f"{'guard step +us':>18} {'-> ratio':>8} {'hot +us':>14} {'-> ratio':>8} {'ParamUpdates loop':>20} "
@@ -173,19 +174,28 @@ def aids(args: argparse.Namespace) -> None:
             times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
             hots: dict[str, list[float]] = {v: [] for v in variants}
             for r in range(args.rounds):
+                # one training step of each variant in turn (rotating order): pairs a step with the plain
+                # loop's step next to it in time, so load that drifts over seconds cancels out
+                for i in range(args.steps):
+                    k = (r * args.steps + i) % len(variants)
+                    for v in variants[k:] + variants[:k]:
+                        times[v].append(runs[v][0](1))
                 for v in variants[r % len(variants):] + variants[:r % len(variants)]:
-                    times[v].append(runs[v][0](args.steps))
                     hots[v].append(runs[v][1](args.steps))
             plain = [t for t, _ in times["plain"]]
-            plain_ms = statistics.median(plain)
+            plain_s = statistics.median(plain)
+
+            def quart(xs: list[float]) -> tuple[float, float, float]:
+                xs = sorted(xs)
+                return xs[len(xs) // 4], statistics.median(xs), xs[(3 * len(xs)) // 4]
 
             def ratio(v: str) -> str:
-                rs = [a / b for (a, _), b in zip(times[v], plain)]
-                return f"{statistics.median(rs):.3f} ({min(rs):.2f}..{max(rs):.2f})"
+                lo, mid, hi = quart([(a - b) / plain_s for (a, _), b in zip(times[v], plain)])
+                return f"{1 + mid:.3f} ({1 + lo:.2f}..{1 + hi:.2f})"
 
             def cost(us: list[float]) -> str:
-                mid = statistics.median(us)
-                return f"{mid:6.0f} ({min(us):.0f}..{max(us):.0f}) {1 + mid / 1e6 / plain_ms:8.3f}"
+                lo, mid, hi = quart(us)
+                return f"{mid:6.0f} ({lo:.0f}..{hi:.0f}) {1 + mid / 1e6 / plain_s:8.3f}"
 
             def step_cost(v: str) -> str:
                 return cost([(a - b) * 1e6 for (_, a), (_, b) in zip(times[v], times["plain"])])
@@ -193,7 +203,7 @@ def aids(args: argparse.Namespace) -> None:
             def hot_cost(v: str) -> str:
                 return cost([(a - b) * 1e6 for a, b in zip(hots[v], hots["plain"])])
 
-            print(f"{name:<16} {batch:>5} {plain_ms * 1e3:>8.2f} {ratio('plain again'):>20} {ratio('guard'):>20} "
+            print(f"{name:<16} {batch:>5} {plain_s * 1e3:>8.2f} {ratio('plain again'):>20} {ratio('guard'):>20} "
                   f"{step_cost('guard'):>27} {hot_cost('guard'):>23} {ratio('param_updates'):>20} "
                   f"{step_cost('param_updates'):>27} {hot_cost('param_updates'):>23}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
