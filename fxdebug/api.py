@@ -36,10 +36,10 @@ from fxdebug.instrumented.verify import verify
 __all__ = ["FRONTENDS", "instrument", "module_from_capture", "render", "run_pipeline", "trace"]
 
 _CHOICES = ("auto", "dynamo", *FRONTENDS)
-# instrument(frontend="auto"): the live Dynamo capture unless a pass transforms the graph (then symbolic,
-# export, subtrees, noted); off, "auto" stays on that snapshot chain for every pass list. Off until the whole
-# suite passes with it on: FXDEBUG_AUTO=dynamo turns it on (docs/frontends.md)
-AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO", "") == "dynamo"
+# instrument(frontend="auto"): the live Dynamo capture unless a pass transforms the graph or a snapshot option
+# is given (then symbolic, export, subtrees, noted). FXDEBUG_AUTO=snapshot keeps "auto" on that snapshot chain
+# for every pass list (docs/frontends.md)
+AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO", "dynamo") != "snapshot"
 # instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
 _INSTRUMENT_OWN = ("prior_report", "verify")
 

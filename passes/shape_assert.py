@@ -135,15 +135,20 @@ class ShapeAssert(fxdebug.Pass):
         except fxdebug.FxDebugError:  # a live capture's graph is specialised to the sizes it was captured on
             other, other_run = {}, self._ran_on_other_inputs(gm, specs)
         names = _SymbolNames(gm, specs)
+        # a live graph Dynamo compiled with dynamic dims (it had seen them vary: the other example's call can reuse
+        # it, so this pass never sees that call's sizes) keeps those dims symbolic when other_inputs are given
+        varied = _dynamic_dims(gm) if self.other_inputs is not None and not other else {}
         symbolic: dict[str, Dims] = {}
-        for name, spec in specs.items():
+        weights = {n.name for n in gm.graph.nodes if n.op == "get_attr"}  # lettered last: N, L, ... are activations'
+        for name in [k for k in specs if k not in weights] + [k for k in specs if k in weights]:
+            spec = specs[name]
             if isinstance(spec, TensorSpec):
-                symbolic[name] = names.dims(spec, self._dynamic(spec, other.get(name)))
+                symbolic[name] = names.dims(spec, self._dynamic(spec, other.get(name)) | varied.get(name, set()))
         # A live (Dynamo) module hands over a new graph for each recompile (another shape, mode or keyword), all over
         # the model's own module dictionary, with stable node names: the first capture's expectation holds for them
         first = self._expected(gm)
         if other_run:
-            _widen(first, specs, {n.name for n in gm.graph.nodes if n.op == "get_attr"})
+            _widen(first, specs, weights)
         for name, (spec, dims) in first.items():
             if isinstance(specs.get(name), TensorSpec) and len(specs[name].shape) == len(spec.shape):
                 specs[name], symbolic[name] = spec, dims
@@ -211,6 +216,18 @@ class ShapeAssert(fxdebug.Pass):
         if isinstance(other, TensorSpec) and len(other.shape) == rank:
             dims |= {i for i, (a, b) in enumerate(zip(spec.shape, other.shape)) if a != b}
         return dims
+
+
+def _dynamic_dims(gm: GraphModule) -> dict[str, set[int]]:
+    """``{node: dims}`` a Dynamo graph traced as symbolic sizes (its ``example_value`` fake tensors)."""
+    out: dict[str, set[int]] = {}
+    for n in gm.graph.nodes:
+        value = n.meta.get("example_value")
+        if isinstance(value, Tensor):
+            dims = {i for i, d in enumerate(value.shape) if not isinstance(d, int)}
+            if dims:
+                out[n.name] = dims
+    return out
 
 
 def _widen(first: dict[str, tuple[TensorSpec, Dims]], specs: dict[str, Any], weights: set[str]) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import fxdebug
-from fxdebug.passes import ShapeAssert
+from fxdebug.passes import NaNCheck, ShapeAssert
 from zoo import BROKEN, ZOO
 
 
@@ -72,6 +72,24 @@ def test_a_live_module_learns_the_other_inputs_at_instrument_time():
                              frontend="dynamo")
     assert dbg.report().rows and all(r["calls"] == 0 for r in dbg.report().rows)  # the quiet captures count no call
     third = torch.randn(4, 7, 16)
+    torch.testing.assert_close(dbg(third), model(third))
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"produced \(N, L, 8\); expected \(N, L, 16\)"):
+        dbg(torch.randn(4, 7, 8))
+
+
+def test_other_inputs_on_a_graph_dynamo_already_made_dynamic():
+    # Dynamo's cache is per model class: after another instance ran two lengths, this module's example and other
+    # example both run one graph with dynamic sizes; its dynamic dims are the ones that vary
+    first, (x,) = ZOO["transformer_block"]()
+    seen = fxdebug.instrument(first.eval(), [NaNCheck()], example_inputs=(x,), frontend="dynamo")
+    seen(torch.randn(3, 6, 16))
+    seen(torch.randn(4, 7, 16))
+    model, _ = ZOO["transformer_block"]()
+    model.eval()
+    dbg = fxdebug.instrument(model, [ShapeAssert(other_inputs=(torch.randn(3, 9, 16),))], example_inputs=(x,),
+                             frontend="dynamo")
+    assert len(dbg.parts()) == 1  # one graph served both examples
+    third = torch.randn(4, 11, 16)
     torch.testing.assert_close(dbg(third), model(third))
     with pytest.raises(fxdebug.ShapeMismatchError, match=r"produced \(N, L, 8\); expected \(N, L, 16\)"):
         dbg(torch.randn(4, 7, 8))
