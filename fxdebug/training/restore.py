@@ -62,7 +62,13 @@ class _Plan:
                 rest.append((t, b))
         for (dev, dtype), (ts, bs) in by_kind.items():
             scratch = torch.empty(max(t.numel() for t in ts), dtype=dtype, device=dev)
-            self.copies.append((dev, ts, bs, [scratch[:t.numel()].view(t.shape) for t in ts]))
+            # one view per shape, shared by the tensors of that shape on the CPU (the kernel walks the
+            # tensors one after another there, and only a bad step writes it): fewer objects touched
+            # per step. On an accelerator each tensor gets its own view (the kernel runs them at once).
+            views: dict[Any, Tensor] = {}
+            self.copies.append((dev, ts, bs, [
+                views.setdefault(t.shape if dev.type == "cpu" else i, scratch[:t.numel()].view(t.shape))
+                for i, t in enumerate(ts)]))
         self._select(rest)
 
     def _select(self, pairs: list[tuple[Tensor, Tensor]]) -> None:
