@@ -359,6 +359,10 @@ def _trace_with_leaves(
                 "has forward/backward hooks: called as a module so that they run at every call", None)
         if has_call_hooks(model):
             info.notes.append("the model's own forward/backward hooks run at every call of the instrumented module")
+        # torch's tracer ends in a reference cycle (a closure of its trace()), so only the cyclic
+        # collector frees it: its per-node tables (scope per node name, calls per module) go now
+        tracer.node_name_to_scope.clear()
+        tracer.num_calls.clear()
         return graph, named
     raise TraceError(f"tracing {type(model).__name__} did not converge after {max_attempts} attempts.")
 
