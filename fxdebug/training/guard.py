@@ -147,7 +147,8 @@ class Guard(torch.optim.Optimizer):
     # -- what it counted ------------------------------------------------------------------------
     @property
     def skipped(self) -> Tensor:
-        """Steps skipped so far: a 0-d int64 tensor on the parameters' device (``int()`` it to read)."""
+        """Steps skipped so far: a 0-d int64 tensor on the parameters' device (``int()`` it to read).
+        Read the property again for a later count: the steps since are folded in when it is read."""
         self._fold()
         if self._skipped is None:
             return torch.zeros((), dtype=torch.int64)
