@@ -47,6 +47,7 @@ from fxdebug.report.report import Report, build_report, merge_reports
 from fxdebug.graph.serialize import deserialize_graph, encode_pytree_info, serialize_graph
 from fxdebug.instrumented.to_module import to_module as plain_module
 from fxdebug.capture.base import Capture
+from fxdebug.capture.graphs import graph_module
 from fxdebug.capture.symbolic import TraceInfo
 
 __all__ = ["Instrumented"]
@@ -79,7 +80,8 @@ class Instrumented(GraphModule):
         if namespace is not None:
             root = _Holder({**model._modules, NAMESPACE: namespace}, model._parameters, model._buffers,
                            model._non_persistent_buffers_set, model.training)
-        gm = cls(root, graph, class_name=type(model).__name__)
+        # the called modules are not copied: the model's whole hierarchy is adopted next
+        gm = graph_module(cls, root, graph, type(model).__name__, children=False)
         _adopt_hierarchy(gm, model)
         if namespace is not None:
             gm._modules[NAMESPACE] = namespace  # GraphModule copied it with persistent buffers; keep ours
