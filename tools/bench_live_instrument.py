@@ -31,21 +31,21 @@ def _one(name: str, frontend: str, mode: str) -> dict[str, object]:
     from fxdebug.passes import NaNCheck, StatCollector
     from bench_models import DEBUG_MODELS
 
-    fe = {"dynamo": "dynamo", "snapshot": "auto"}[frontend]
+    fe = {"dynamo": "dynamo", "snapshot": "auto"}[frontend]  # the parent sets FXDEBUG_AUTO=snapshot for "snapshot"
     if mode == "warm":
         m0 = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
         fxdebug.instrument(m0, [NaNCheck(), StatCollector()], example_inputs=(torch.randn(1, 3),), frontend=fe)(
             torch.randn(1, 3))
     model, inputs = DEBUG_MODELS[name](True)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=inputs, frontend=fe)
-    first = time.perf_counter() - t
+    first, first_cpu = time.perf_counter() - t, time.process_time() - c
     model2, inputs2 = DEBUG_MODELS[name](True)
     t = time.perf_counter()
     fxdebug.instrument(model2, [NaNCheck(), StatCollector()], example_inputs=inputs2, frontend=fe)
     again = time.perf_counter() - t
     return {"model": name, "frontend": dbg.trace_info.frontend, "mode": mode, "instrument_s": round(first, 3),
-            "again_s": round(again, 3)}
+            "cpu_s": round(first_cpu, 3), "again_s": round(again, 3)}
 
 
 def main() -> None:
@@ -53,15 +53,17 @@ def main() -> None:
         print(json.dumps(_one(*sys.argv[1:])))
         return
     models = sys.argv[1:] or MODELS
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    print(f"{'model':28} {'frontend':9} {'mode':5} {'instrument s':>12} {'again s':>8}")
+    print(f"{'model':28} {'frontend':9} {'mode':5} {'instrument s':>12} {'cpu s':>7} {'again s':>8}")
     for name in models:
         for frontend in ("snapshot", "dynamo"):
+            # "auto" is the live capture by default: the snapshot chain (the second release's "auto") by FXDEBUG_AUTO
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "FXDEBUG_AUTO": "snapshot" if frontend == "snapshot" else "dynamo"}
             for mode in ("cold", "warm"):
                 out = subprocess.run([sys.executable, __file__, name, frontend, mode], capture_output=True, text=True,
                                      env=env, check=True).stdout.strip().splitlines()[-1]
                 r = json.loads(out)
-                print(f"{r['model']:28} {r['frontend']:9} {r['mode']:5} {r['instrument_s']:12.3f} {r['again_s']:8.3f}")
+                print(f"{r['model']:28} {r['frontend']:9} {r['mode']:5} {r['instrument_s']:12.3f} {r['cpu_s']:7.3f} "
+                      f"{r['again_s']:8.3f}", flush=True)
 
 
 if __name__ == "__main__":
