@@ -158,16 +158,19 @@ def lower_observers(gm: GraphModule) -> int:
             if len(pending) == BATCH_MAX:
                 flush()
             continue
-        if obs is None or not obs.fused_probes or not node.args or not isinstance(node.args[0], Node):
+        fused = obs.fused_probes if obs is not None else None  # once per observer (each read builds a list)
+        if obs is None or not fused or not node.args or not isinstance(node.args[0], Node):
             if pending and _barrier_cached(node, gm, barriers):
                 flush()
             continue
         x = node.args[0]
-        obs.assign_rows(_channels(x, obs.fused_channel_dim))
+        obs.assign_rows(_channels(x, next((p.channel_dim for p in fused if p.channel_dim is not None), None)))
         if device is None:
             dev = fx_meta(x).get("device")
             device = str(dev) if dev is not None else None
-        if not obs.fully_fused:  # Python probes too: the observer module calls the op itself (a barrier)
+        # Observer.fully_fused, with the fused probes in hand
+        if len(fused) != len(obs.probes) or any(p.wants_inputs for p in fused):
+            # Python probes too: the observer module calls the op itself (a barrier)
             if pending:
                 flush()
             continue

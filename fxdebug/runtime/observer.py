@@ -226,10 +226,13 @@ class Observer(nn.Module):
 
     def assign_rows(self, channels: int) -> None:
         """Allocate this node's fused rows in the clock's table (once; kept when re-lowered)."""
-        if self._clock is None or not self.fused_probes:
+        if self._clock is None:
             return
-        cdim = self.fused_channel_dim
-        phases = ["forward"] + (["grad"] if any(p.grads for p in self.fused_probes) else [])
+        fused = self.fused_probes  # once: the lowering asks this of every observer
+        if not fused:
+            return
+        cdim = next((p.channel_dim for p in fused if p.channel_dim is not None), None)
+        phases = ("forward", "grad") if any(p.grads for p in fused) else ("forward",)
         for phase in phases:
             if phase in self.fused_rows:
                 continue

