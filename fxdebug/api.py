@@ -9,6 +9,7 @@ knows which frontend made a module: the parts say it.
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import time
 from typing import Any, Sequence
@@ -40,6 +41,10 @@ _CHOICES = ("auto", "dynamo", *FRONTENDS)
 # is given (then symbolic, export, subtrees, noted). FXDEBUG_AUTO=snapshot keeps "auto" on that snapshot chain
 # for every pass list (docs/frontends.md)
 AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO", "dynamo") != "snapshot"
+# Dynamo traces ~5-10 ms per module call on CPU (symbolic tracing ~0.2 ms per node): above this many modules a
+# live capture would take tens of seconds to minutes (a 70B-class trunk, a 10k-layer chain), so "auto" takes the
+# guarded snapshot instead, noted; frontend="dynamo" still captures any model live
+LIVE_MODULE_LIMIT = 1000
 # instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
 _INSTRUMENT_OWN = ("prior_report", "verify")
 
@@ -191,6 +196,11 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
     if given:
         return (f"auto: {', '.join(given)} given, an option of the snapshot frontends: captured by symbolic tracing "
                 "(then export, then subtrees), not the live Dynamo capture")
+    count = sum(1 for _ in itertools.islice(inner.modules(), LIVE_MODULE_LIMIT + 1))
+    if count > LIVE_MODULE_LIMIT:
+        return (f"auto: more than {LIVE_MODULE_LIMIT} modules, where Dynamo's tracing (~5-10 ms a module) would make "
+                "instrument() take minutes: captured by symbolic tracing (then export, then subtrees), a snapshot whose "
+                "guards refuse later changes to the model; frontend='dynamo' captures it live anyway")
     return ""
 
 

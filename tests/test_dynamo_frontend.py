@@ -682,3 +682,17 @@ def test_an_op_failing_on_the_first_call_run_eagerly_names_its_node():
     dbg = fxdebug.instrument(Eager(), [NaNCheck()], frontend="dynamo")
     with pytest.raises(fxdebug.ShapeMismatchError, match="node 'fc'"):
         dbg(torch.randn(2, 4))
+
+
+def test_auto_takes_the_guarded_snapshot_above_the_live_module_limit():
+    # Dynamo traces ~5-10 ms a module: a 1,000-module chain would take seconds to minutes to capture live
+    from fxdebug.api import LIVE_MODULE_LIMIT
+
+    big = nn.Sequential(*[nn.Linear(2, 2) for _ in range(LIVE_MODULE_LIMIT)])  # + the Sequential itself
+    x = torch.randn(1, 2)
+    dbg = fxdebug.instrument(big, [NaNCheck()], example_inputs=(x,))
+    assert dbg.trace_info.frontend == "symbolic"
+    assert any("more than 1000 modules" in n and "frontend='dynamo'" in n for n in dbg.trace_info.notes)
+    assert torch.equal(dbg(x), big(x))
+    small = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
+    assert fxdebug.instrument(small, [NaNCheck()], example_inputs=(x,)).trace_info.frontend == "dynamo"
