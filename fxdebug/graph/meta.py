@@ -259,9 +259,13 @@ def module_type(node: Node) -> str | None:
     return None
 
 
+_NO_META: dict[str, Any] = {}
+_SKIPPED_ROLES = frozenset(("instrumentation", "clock", "guard", "shadow"))
+
+
 def is_instrumentation(node: Node) -> bool:
     """True for nodes that fxdebug inserted only to watch another node."""
-    return node.meta.get(KEY, {}).get("role") in ("instrumentation", "clock", "guard", "shadow")
+    return node.meta.get(KEY, _NO_META).get("role") in _SKIPPED_ROLES  # no dict made per call (several per node)
 
 
 _EXPORT_PATH = re.compile(r"L\['self'\]\.?|L__self__\.?|\._modules\['([^']+)'\]|\[(\d+)\]")

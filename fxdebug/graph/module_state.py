@@ -144,16 +144,17 @@ class ModuleState:
                 if isinstance(v, kinds):
                     generators.setdefault(id(v), v)
             plain.append((m, values))
+            # is_cuda / is_meta: Tensor.device builds a device object per read (~1.5 µs, two per layer)
             for param in m._parameters.values():
-                if param is not None and param.device.type == "cuda":
+                if param is not None and param.is_cuda:
                     devices.add(param.device.index or 0)
             own = m._buffers
             for t in own.values():
                 if t is None:
                     continue
-                if t.device.type == "cuda":
+                if t.is_cuda:
                     devices.add(t.device.index or 0)
-                if buffers and t.device.type != "meta" and id(t) not in seen_buffers:
+                if buffers and not t.is_meta and id(t) not in seen_buffers:
                     seen_buffers.add(id(t))
                     copies.append((t, t.detach().clone()))
             if buffers:
