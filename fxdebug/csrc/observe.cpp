@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <mutex>
@@ -343,6 +344,111 @@ void tick_autograd(at::Tensor& table) {
   op.call(table);
 }
 
+// The optimizer guard's gradient check: fxdebug::any_nonfinite(xs, flag) sets `flag` (a one-element
+// floating tensor) to 1.0 when any element of any tensor in `xs` is NaN (any payload) or +/-Inf, and
+// leaves it as it is otherwise. Exact: a bit test on the exponent field (all ones: NaN or Inf), so
+// large finite values, -0.0 and subnormals never count. It only reads the tensors (each once, in
+// memory order), unlike the amp op GradScaler uses (`_amp_foreach_non_finite_check_and_unscale_`),
+// which multiplies every element by the inverse scale and writes it back. No host sync; on the
+// usual path (dense float32/float64/float16/bfloat16 tensors, a 0-d float32 flag) no allocation.
+// The loop OR-accumulates `(bits & EXP) == EXP` over blocks of integers: branch-free, vectorised.
+template <typename U>
+inline bool bits_nonfinite(const U* p, int64_t n, U exp) {
+  constexpr int64_t CHUNK = 4096;  // a look at the result per chunk: a bad tensor stops early
+  for (int64_t b = 0; b < n; b += CHUNK) {
+    int64_t m = std::min(CHUNK, n - b);
+    const U* q = p + b;
+    U acc = 0;
+#pragma omp simd reduction(| : acc)
+    for (int64_t i = 0; i < m; i++) acc |= static_cast<U>((q[i] & exp) == exp);
+    if (acc) return true;
+  }
+  return false;
+}
+
+// Whether `n` elements of the dtype `st` at `data` (dense, any order) hold a NaN or Inf; -1 for a
+// dtype without a bit test here (the caller converts those to float32 first).
+inline int dense_nonfinite(const void* data, int64_t n, at::ScalarType st) {
+  switch (st) {
+    case at::kFloat:
+      return bits_nonfinite(static_cast<const uint32_t*>(data), n, static_cast<uint32_t>(0x7F800000u));
+    case at::kComplexFloat:
+      return bits_nonfinite(static_cast<const uint32_t*>(data), 2 * n, static_cast<uint32_t>(0x7F800000u));
+    case at::kDouble:
+      return bits_nonfinite(static_cast<const uint64_t*>(data), n, static_cast<uint64_t>(0x7FF0000000000000ull));
+    case at::kComplexDouble:
+      return bits_nonfinite(static_cast<const uint64_t*>(data), 2 * n, static_cast<uint64_t>(0x7FF0000000000000ull));
+    case at::kHalf:
+      return bits_nonfinite(static_cast<const uint16_t*>(data), n, static_cast<uint16_t>(0x7C00u));
+    case at::kComplexHalf:
+      return bits_nonfinite(static_cast<const uint16_t*>(data), 2 * n, static_cast<uint16_t>(0x7C00u));
+    case at::kBFloat16:
+      return bits_nonfinite(static_cast<const uint16_t*>(data), n, static_cast<uint16_t>(0x7F80u));
+    default:
+      return -1;
+  }
+}
+
+bool tensor_nonfinite(const at::Tensor& x_in) {
+  if (!x_in.defined()) return false;
+  at::Tensor x = x_in.is_sparse() ? x_in._values() : x_in;
+  at::ScalarType st = x.scalar_type();
+  if (!at::isFloatingType(st) && !at::isComplexType(st)) return false;  // integers and bool are always finite
+  int64_t n = x.numel();
+  if (n == 0) return false;
+  TORCH_CHECK(x.layout() == at::kStrided, "fxdebug::any_nonfinite: tensors of layout ", x.layout(),
+              " are not supported; pass dense (or sparse COO) tensors");
+  if (dense_nonfinite(nullptr, 0, st) < 0) {  // float8 and other rare types: their values as float32 (exact)
+    x = x.to(at::kFloat);
+    st = at::kFloat;
+  }
+  if (!x.is_non_overlapping_and_dense()) x = x.contiguous();  // rare: a strided view with gaps
+  const void* data = x.const_data_ptr();
+  size_t width = x.element_size() / (at::isComplexType(st) ? 2 : 1);
+  constexpr int64_t GRAIN_NF = 1 << 18;  // elements per parallel chunk (threads only for large tensors)
+  if (n <= GRAIN_NF || at::get_num_threads() == 1) return dense_nonfinite(data, n, st) > 0;
+  std::atomic<bool> found{false};
+  int64_t scalars = at::isComplexType(st) ? 2 : 1;
+  at::ScalarType part = at::isComplexType(st) ? c10::toRealValueType(st) : st;
+  at::parallel_for(0, n, GRAIN_NF, [&](int64_t b, int64_t e) {
+    if (found.load(std::memory_order_relaxed)) return;
+    const char* p = static_cast<const char*>(data) + b * scalars * static_cast<int64_t>(width);
+    if (dense_nonfinite(p, (e - b) * scalars, part) > 0) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
+}
+
+void any_nonfinite_cpu(at::TensorList xs, at::Tensor& flag) {
+  TORCH_CHECK(flag.numel() == 1 && at::isFloatingType(flag.scalar_type()) && flag.device().is_cpu(),
+              "fxdebug::any_nonfinite: the flag must be a one-element floating tensor on the CPU, got ",
+              flag.scalar_type(), " of ", flag.numel(), " elements on ", flag.device());
+  bool found = false;
+  for (const at::Tensor& x : xs) {
+    if (!x.defined()) continue;
+    TORCH_CHECK(x.device().is_cpu(), "fxdebug::any_nonfinite: a tensor is on ", x.device(),
+                "; this kernel checks CPU tensors (use torch._amp_foreach_non_finite_check_and_unscale_ elsewhere)");
+    if (tensor_nonfinite(x)) {
+      found = true;
+      break;
+    }
+  }
+  if (!found) return;
+  if (flag.scalar_type() == at::kFloat && flag.is_contiguous()) {
+    *flag.data_ptr<float>() = 1.0f;
+    if (!flag.is_inference()) flag.unsafeGetTensorImpl()->bump_version();
+  } else {
+    flag.fill_(1.0);
+  }
+}
+
+void any_nonfinite_autograd(at::TensorList xs, at::Tensor& flag) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("fxdebug::any_nonfinite", "")
+                       .typed<void(at::TensorList, at::Tensor&)>();
+  op.call(xs, flag);
+}
+
 }  // namespace
 
 // flexible_layout: the kernels read any strides (channels last natively, other layouts through a
@@ -355,6 +461,7 @@ TORCH_LIBRARY_FRAGMENT(fxdebug, m) {
   m.def("observe_grad(Tensor x, Tensor(a!) table, int row, int chan_off, int channels, int channel_dim) -> ()", flex);
   m.def("observe_grad_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()", flex);
   m.def("tick(Tensor(a!) table) -> ()", flex);
+  m.def("any_nonfinite(Tensor[] xs, Tensor(a!) flag) -> ()", flex);
 }
 
 TORCH_LIBRARY_IMPL(fxdebug, CompositeExplicitAutograd, m) {
@@ -370,10 +477,17 @@ TORCH_LIBRARY_IMPL(fxdebug, CPU, m) {
   m.impl("observe", &observe_cpu);
   m.impl("observe_many", &observe_many_cpu);
   m.impl("tick", &tick_cpu);
+  m.impl("any_nonfinite", &any_nonfinite_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fxdebug, Autograd, m) {
   m.impl("observe", &observe_autograd);
   m.impl("observe_many", &observe_many_autograd);
   m.impl("tick", &tick_autograd);
+  m.impl("any_nonfinite", &any_nonfinite_autograd);
+}
+
+// Sparse COO gradients (nn.Embedding(sparse=True)): the same CPU kernel checks their values.
+TORCH_LIBRARY_IMPL(fxdebug, SparseCPU, m) {
+  m.impl("any_nonfinite", &any_nonfinite_cpu);
 }

@@ -44,7 +44,7 @@ import torch
 from fxdebug.errors import UsageError
 from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 
-__all__ = ["KERNELS", "active", "backend", "fallback_reason", "fused_compile", "load", "observe_grad_many_op", "observe_grad_op",
+__all__ = ["KERNELS", "active", "any_nonfinite_op", "backend", "fallback_reason", "fused_compile", "load", "observe_grad_many_op", "observe_grad_op",
            "observe_many_op", "observe_op", "requested", "runtime_notes", "tick_op", "use"]
 
 KERNELS = ("cpp", "triton", "torch")
@@ -214,6 +214,8 @@ def load() -> str:
         torch.library.register_fake("fxdebug::observe_many", _fake_many, lib=fragment)
         if _has_tick():
             torch.library.register_fake("fxdebug::tick", _fake_tick, lib=fragment)
+        if _has_any_nonfinite():
+            torch.library.register_fake("fxdebug::any_nonfinite", _fake_any_nonfinite, lib=fragment)
         mode = os.environ.get("FXDEBUG_COMPILE_STATS", "extern").strip().lower() or "extern"
         if mode not in ("extern", "inline"):
             raise UsageError(f"FXDEBUG_COMPILE_STATS={mode!r}: expected 'extern' (default) or 'inline'")
@@ -372,6 +374,31 @@ def tick_op() -> Any:
     if not _has_tick():
         return None
     return torch.ops.fxdebug.tick.default._op
+
+
+def _has_any_nonfinite() -> bool:
+    try:
+        torch.ops.fxdebug.any_nonfinite.default  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _fake_any_nonfinite(xs: Any, flag: Any) -> None:
+    return None
+
+
+def any_nonfinite_op() -> Any:
+    """The guard's gradient check, ``fxdebug::any_nonfinite(xs, flag)``: sets ``flag`` (one element,
+    floating, on the CPU) to 1.0 when any element of the CPU tensors ``xs`` is NaN or +/-Inf (exact:
+    a bit test on the exponent), else leaves it; reads each tensor once and writes none (the amp op
+    ``_amp_foreach_non_finite_check_and_unscale_`` multiplies and writes back every element). As the
+    dispatcher's own callable; ``None`` where the C++ build is absent (``FXDEBUG_NO_KERNEL=1``, no
+    compiler): the caller then uses the amp op. CPU only (other devices: the amp op)."""
+    load()
+    if not _has_any_nonfinite():
+        return None
+    return torch.ops.fxdebug.any_nonfinite.default._op
 
 
 def _fake(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from fxdebug.errors import ArgumentTypeError, UsageError
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.runtime import kernel
 from fxdebug.runtime.columns import NONFINITE
 from fxdebug.runtime.slots import INDEX, K
 from fxdebug.training.restore import _on, _Plan, _live
@@ -45,6 +46,7 @@ __all__ = ["Guard", "guard"]
 # momentum buffer of -0.0 turns SGD's ``buf * momentum + grad`` into exactly ``grad``, its first step.
 _INITIAL = {"momentum_buffer": -0.0}
 _LOG = 4096  # skipped steps whose step index and origin are kept (the count itself never saturates)
+_UNSET = object()
 _RING = 256  # steps whose skip flags wait on the device before they are folded into the count and the log
 
 
@@ -222,9 +224,11 @@ class Guard(torch.optim.Optimizer):
              unscale: Tensor | None = None) -> Tensor:
         """0-d float32 on ``device``: 1.0 when this step must be skipped, else 0.0 (no sync).
 
-        Gradients are checked element by element with the op GradScaler uses
-        (``_amp_foreach_non_finite_check_and_unscale_``; exact, no sum that could overflow), which
-        multiplies them by ``unscale`` — 1.0 leaves them bitwise as they are."""
+        Gradients are checked element by element, exactly (no sum that could overflow): CPU
+        gradients by ``fxdebug::any_nonfinite`` (a bit test on the exponent; reads them, writes
+        nothing) where the C++ extension is built and no GradScaler asks to unscale; else with the op
+        GradScaler uses (``_amp_foreach_non_finite_check_and_unscale_``), which multiplies them by
+        ``unscale`` — 1.0 leaves them bitwise as they are."""
         flags = []
         grads = [g for p in params if (g := p.grad) is not None]  # (params: those with a gradient)
         dev0 = grads[0].device
@@ -236,8 +240,12 @@ class Guard(torch.optim.Optimizer):
                 by_device.setdefault(g.device, []).append(g)
         for dev, on_dev in by_device.items():
             found = self._found_flag(dev)  # kept from step to step: zeroed, then set by the check
-            inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True)
-            torch._amp_foreach_non_finite_check_and_unscale_(on_dev, found, inv)
+            check = self._read_only_check() if unscale is None and dev.type == "cpu" else None
+            if check is not None:
+                check(on_dev, found)  # reads each gradient once, writes none
+            else:
+                inv = self._ones(dev) if unscale is None else unscale.to(dev, non_blocking=True)
+                torch._amp_foreach_non_finite_check_and_unscale_(on_dev, found, inv)
             flags.append(_on(found, device))
         if scaler_inf is not None:
             flags.append(scaler_inf.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
@@ -248,6 +256,15 @@ class Guard(torch.optim.Optimizer):
         if len(flags) == 1 and scaler_inf is None:
             return flags[0]  # the check's own flag (or the watched nodes'): already exactly 0.0 or 1.0
         return (torch.stack(flags).amax() > 0).to(torch.float32)  # a scaler's found_inf sums over devices
+
+    def _read_only_check(self) -> Callable[[list[Tensor], Tensor], None] | None:
+        """``fxdebug::any_nonfinite`` (the C++ extension's CPU kernel: the same exact answer as the amp
+        op, reading each gradient once and writing none), or ``None`` where the extension is not
+        built (``FXDEBUG_NO_KERNEL=1``, no compiler): the amp op then. Looked up once per guard."""
+        check = self.__dict__.get("_check", _UNSET)
+        if check is _UNSET:
+            check = self.__dict__["_check"] = kernel.any_nonfinite_op()
+        return check
 
     def _found_flag(self, device: torch.device) -> Tensor:
         """The 0-d float32 flag the gradient check sets on ``device``, zeroed (one buffer, reused:
