@@ -696,3 +696,32 @@ def test_auto_takes_the_guarded_snapshot_above_the_live_module_limit():
     assert torch.equal(dbg(x), big(x))
     small = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])
     assert fxdebug.instrument(small, [NaNCheck()], example_inputs=(x,)).trace_info.frontend == "dynamo"
+
+
+def test_the_settings_of_a_live_call_are_put_back_exactly():
+    import warnings
+
+    import torch._dynamo.config as config
+
+    from fxdebug.capture.dynamo import dynamo_config, quiet_warnings
+
+    names = ("skip_nnmodule_hook_guards", "allow_rnn", "recompile_limit", "automatic_dynamic_shapes")
+    before = {k: getattr(config, k) for k in names}
+    unset = {k: config._is_default(k) for k in names} if hasattr(config, "_is_default") else None
+    with dynamo_config(first=True):
+        assert (config.skip_nnmodule_hook_guards, config.allow_rnn, config.recompile_limit,
+                config.automatic_dynamic_shapes) == (False, True, 256, False)
+        with dynamo_config():  # nested (a live module inside another): its settings, then the outer's again
+            assert config.recompile_limit == 256 and config.automatic_dynamic_shapes is False  # not one it sets
+            config.recompile_limit = 3  # changed inside: put back by the inner's exit
+        assert config.recompile_limit == 256 and config.automatic_dynamic_shapes is False
+    assert {k: getattr(config, k) for k in names} == before
+    if unset is not None:  # left as "not overridden", not overridden with the default's value
+        assert {k: config._is_default(k) for k in names} == unset
+    filters = list(warnings.filters)
+    with quiet_warnings(r"Dynamo does not know how to trace")():
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("default")
+            warnings.warn("a user's warning")
+        assert [str(w.message) for w in seen] == ["a user's warning"]
+    assert warnings.filters == filters

@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import threading
 import time
-import warnings
 import weakref
 from typing import Any, Iterator, Sequence
 
@@ -34,7 +33,7 @@ from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _pu
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
 from fxdebug.capture.live import _global_hook_count
-from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, backend, dynamo_config, live, prepare
+from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, backend, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import TraceOptions
 from fxdebug.errors import FxDebugError, TraceError, UsageError
@@ -57,6 +56,7 @@ _SAVED = "dynamo (before the module was saved and loaded, or copied): "
 # Dynamo warns when it graph-breaks on a builtin it cannot trace (random.random): the report's notes name the break
 _BREAK_WARNING = r"Dynamo does not know how to trace"
 _GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
+_QUIET = quiet_warnings(_GRAD_WARNING, _BREAK_WARNING)
 _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
                "eagerly between graphs (after a graph break) did not")
 
@@ -135,10 +135,8 @@ class LiveInstrumented(Instrumented):
             if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
                 out = self._call_under_modes(args, kwargs)
             else:
-                with live(self), dynamo_config(not self.__dict__.get("_ran")), warnings.catch_warnings():
-                    # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
-                    warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
-                    warnings.filterwarnings("ignore", message=_BREAK_WARNING, category=UserWarning)
+                # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
+                with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
                     try:
                         out = self.__dict__["_compiled"](*args, **kwargs)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
@@ -219,9 +217,7 @@ class LiveInstrumented(Instrumented):
         with _disable_current_modes() as modes:
             lifted.append(list(modes))
             try:
-                with live(self), dynamo_config(not self.__dict__.get("_ran")), warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=_GRAD_WARNING, category=UserWarning)
-                    warnings.filterwarnings("ignore", message=_BREAK_WARNING, category=UserWarning)
+                with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
                     return self.__dict__["_compiled"](*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
                 self._raise_typed(args, kwargs, exc)
