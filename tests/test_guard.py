@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import fxdebug
+from fxdebug.runtime import kernel
 from fxdebug.training import restore
 from fxdebug.passes import NaNCheck
 from syncs import CountSyncs
@@ -296,7 +297,7 @@ def test_any_optimizer_even_one_that_replaces_its_state_tensors() -> None:
 
 def bit_patterns(dtype: torch.dtype, n: int) -> torch.Tensor:
     """``n`` values of ``dtype`` drawn over its bits: NaNs with payloads, -0.0, subnormals, +-Inf."""
-    ints = torch.int32 if dtype == torch.float32 else torch.int64
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
     info = torch.iinfo(ints)
     bits = torch.randint(info.min, info.max, (n,), dtype=ints, generator=torch.Generator().manual_seed(n))
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), torch.finfo(dtype).tiny / 4], dtype=dtype)
@@ -319,6 +320,30 @@ def test_the_conditional_copy_is_bit_exact_and_skips_on_the_flag(dtype: torch.dt
     assert_bitwise(kept, dst, "copy")
     assert_bitwise(kept, src, "source")  # only read
     assert counter.syncs == 0
+
+
+@pytest.mark.skipif(kernel.copy_plan_class() is None, reason="the C++ extension is not built")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_native_copy_plan_is_bit_exact_and_copies_only_on_the_flag(dtype: torch.dtype) -> None:
+    sizes = [1, 5, 8, 17, 1000]
+    live = [bit_patterns(dtype, n) for n in sizes] + [torch.tensor([True, False]), torch.arange(7)]
+    kept = [t.clone() for t in live]
+    copies = [torch.zeros_like(t) for t in live]
+    plan = kernel.copy_plan_class()(live, copies)
+    versions = [t._version for t in live + copies]
+    with CountSyncs() as counter:
+        plan.save(torch.zeros(()))  # a good step: nothing moves, no version changes
+        plan.restore(torch.zeros(()))
+    assert counter.syncs == 0 and [t._version for t in live + copies] == versions
+    assert all(not bool(c.any()) for c in copies)
+    plan.save(torch.ones(()))  # a bad step: every byte saved...
+    assert_bitwise(kept, copies, "saved")
+    for t in live:
+        t.zero_()
+    plan.restore(torch.ones(()))  # ...and put back
+    assert_bitwise(kept, live, "restored")
+    with pytest.raises(RuntimeError, match="contiguous dense CPU"):
+        kernel.copy_plan_class()([torch.zeros(4, 4).t()], [torch.zeros(4, 4)])
 
 
 class RecordOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -355,7 +380,11 @@ def test_a_good_step_makes_no_pass_over_the_parameters_beyond_the_optimizers_own
     big = sorted({name for name, size in extra if size >= n and name not in ("_fused_sgd_", "any_nonfinite",
                                                                              "_amp_foreach_non_finite_check_and_unscale_")})
     assert big == [], f"{kind}: the guard passes over the parameters with {big}"
-    assert sum(1 for name, _ in extra if name == "_fused_sgd_") == 2  # the conditional copy, before and after
+    # the conditional copy, before and after: on the CPU the extension's CopyPlan (no dispatched op),
+    # else torch's fused SGD kernel
+    native = g._plan is not None and bool(g._plan.native)
+    assert native == (kernel.copy_plan_class() is not None)
+    assert sum(1 for name, _ in extra if name == "_fused_sgd_") == (0 if native else 2)
 
 
 def train_typed(kind: str, dtype: torch.dtype, data: list[torch.Tensor], *, guarded: bool,
@@ -394,6 +423,7 @@ def test_without_the_conditional_copy_kernel_the_guard_copies_every_step_and_sta
         raise NotImplementedError("no _fused_sgd_ kernel for this device")
 
     monkeypatch.setattr(restore, "_copy_if", missing)
+    monkeypatch.setattr(kernel, "copy_plan_class", lambda: None)  # as without the C++ extension
     data = batches()
     model, g = train("adamw", data, guarded=True, check_bad=True)
     assert g._plan is not None and not g._plan.copies and g._plan.saved[0]  # the fallback path ran

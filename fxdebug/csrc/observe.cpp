@@ -12,11 +12,13 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <type_traits>
@@ -449,6 +451,51 @@ void any_nonfinite_autograd(at::TensorList xs, at::Tensor& flag) {
   op.call(xs, flag);
 }
 
+// The guard's conditional copies on the CPU: fxdebug.CopyPlan(live, copies) holds the tensors a
+// restoring step may change and their copy buffers (pairs of contiguous CPU tensors of equal size),
+// built once per plan. save(flag) copies live -> copies and restore(flag) copies -> live, byte for
+// byte (every bit pattern kept), only when `flag` (a 0-d float32 CPU tensor, read in place as the
+// fused optimizers read found_inf: no host sync) is non-zero. A good step reads the flag and
+// returns: no Python list of tensors to unpack, no tensor metadata touched, no version counter
+// bumped (a copy that happens bumps the written tensors' counters, as copy_ would).
+struct CopyPlan : torch::CustomClassHolder {
+  std::vector<at::Tensor> live, copies;
+
+  CopyPlan(std::vector<at::Tensor> live_, std::vector<at::Tensor> copies_)
+      : live(std::move(live_)), copies(std::move(copies_)) {
+    TORCH_CHECK(live.size() == copies.size(), "fxdebug.CopyPlan: ", live.size(), " tensors but ", copies.size(), " copies");
+    for (size_t i = 0; i < live.size(); i++) {
+      const at::Tensor& a = live[i];
+      const at::Tensor& b = copies[i];
+      TORCH_CHECK(a.defined() && b.defined() && a.device().is_cpu() && b.device().is_cpu() && a.layout() == at::kStrided &&
+                      b.layout() == at::kStrided && a.is_contiguous() && b.is_contiguous() && a.nbytes() == b.nbytes(),
+                  "fxdebug.CopyPlan: tensor ", i, " and its copy must be contiguous dense CPU tensors of equal size");
+    }
+  }
+
+  static bool set(const at::Tensor& flag) {
+    TORCH_CHECK(flag.numel() == 1 && flag.scalar_type() == at::kFloat && flag.device().is_cpu(),
+                "fxdebug.CopyPlan: the flag must be a one-element float32 CPU tensor");
+    return *flag.const_data_ptr<float>() != 0.0f;
+  }
+
+  static void copy_all(std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+    for (size_t i = 0; i < dst.size(); i++) {
+      size_t n = dst[i].nbytes();
+      if (n) std::memcpy(dst[i].mutable_data_ptr(), src[i].const_data_ptr(), n);
+      if (!dst[i].is_inference()) dst[i].unsafeGetTensorImpl()->bump_version();
+    }
+  }
+
+  void save(const at::Tensor& flag) {
+    if (set(flag)) copy_all(copies, live);
+  }
+
+  void restore(const at::Tensor& flag) {
+    if (set(flag)) copy_all(live, copies);
+  }
+};
+
 }  // namespace
 
 // flexible_layout: the kernels read any strides (channels last natively, other layouts through a
@@ -462,6 +509,10 @@ TORCH_LIBRARY_FRAGMENT(fxdebug, m) {
   m.def("observe_grad_many(Tensor[] xs, Tensor(a!) table, int[] args) -> ()", flex);
   m.def("tick(Tensor(a!) table) -> ()", flex);
   m.def("any_nonfinite(Tensor[] xs, Tensor(a!) flag) -> ()", flex);
+  m.class_<CopyPlan>("CopyPlan")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("save", &CopyPlan::save)
+      .def("restore", &CopyPlan::restore);
 }
 
 TORCH_LIBRARY_IMPL(fxdebug, CompositeExplicitAutograd, m) {

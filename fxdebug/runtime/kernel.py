@@ -44,7 +44,7 @@ import torch
 from fxdebug.errors import UsageError
 from fxdebug.runtime.fallback import observe_many_torch, observe_torch
 
-__all__ = ["KERNELS", "active", "any_nonfinite_op", "backend", "fallback_reason", "fused_compile", "load", "observe_grad_many_op", "observe_grad_op",
+__all__ = ["KERNELS", "active", "any_nonfinite_op", "backend", "copy_plan_class", "fallback_reason", "fused_compile", "load", "observe_grad_many_op", "observe_grad_op",
            "observe_many_op", "observe_op", "requested", "runtime_notes", "tick_op", "use"]
 
 KERNELS = ("cpp", "triton", "torch")
@@ -399,6 +399,20 @@ def any_nonfinite_op() -> Any:
     if not _has_any_nonfinite():
         return None
     return torch.ops.fxdebug.any_nonfinite.default._op
+
+
+def copy_plan_class() -> Any:
+    """``torch.classes.fxdebug.CopyPlan(live, copies)`` (the guard's conditional copies on the CPU:
+    ``save(flag)`` copies ``live`` into ``copies`` and ``restore(flag)`` back, byte for byte, only when
+    the 0-d float32 CPU ``flag`` is non-zero; a good step reads the flag and returns without touching
+    a tensor), or ``None`` where the C++ build is absent."""
+    load()
+    if not _has_any_nonfinite():
+        return None
+    try:
+        return torch.classes.fxdebug.CopyPlan
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def _fake(x: Any, table: Any, row: int, chan_off: int, channels: int, channel_dim: int) -> None:

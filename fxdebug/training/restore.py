@@ -15,6 +15,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from fxdebug.runtime import kernel
+
 
 class _Buffers(Protocol):
     def _buffer(self, t: Tensor) -> Tensor: ...
@@ -52,14 +54,34 @@ class _Plan:
         self.other: list[tuple[Tensor, Tensor]] = []  # bool, 1-byte, complex128, sparse: torch.where
         by_kind: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[Tensor]]] = {}
         rest: list[tuple[Tensor, Tensor]] = []
+        # on the CPU, where the C++ extension is built: one CopyPlan (fxdebug/csrc/observe.cpp) copies
+        # byte for byte when the flag is set, and on a good step reads the flag and returns, touching no
+        # tensor (the fused SGD kernel's call unpacks three lists of tensors and dispatches over them)
+        cls = kernel.copy_plan_class()
+        self.native: list[Any] = []
+        native: tuple[list[Tensor], list[Tensor]] = ([], [])
         for t in live:
             t, b = t.detach(), backs[id(t)]
-            if _copies_on_device(t):
+            if cls is not None and _native_copies(t, b):
+                native[0].append(t)
+                native[1].append(b)
+            elif _copies_on_device(t):
                 ts, bs = by_kind.setdefault((t.device, t.dtype), ([], []))
                 ts.append(t)
                 bs.append(b)
             else:
                 rest.append((t, b))
+        if native[0]:
+            try:
+                self.native.append(cls(*native))
+            except RuntimeError:  # a layout the class refuses: the fused kernel's copies, or copy-and-select
+                for t, b in zip(*native):
+                    if _copies_on_device(t):
+                        ts, bs = by_kind.setdefault((t.device, t.dtype), ([], []))
+                        ts.append(t)
+                        bs.append(b)
+                    else:
+                        rest.append((t, b))
         for (dev, dtype), (ts, bs) in by_kind.items():
             scratch = torch.empty(max(t.numel() for t in ts), dtype=dtype, device=dev)
             # one view per shape, shared by the tensors of that shape on the CPU (the kernel walks the
@@ -93,7 +115,10 @@ class _Plan:
 
     def save(self, bad: Tensor) -> None:
         """Before the step: the copies (the conditional ones only when ``bad``)."""
-        self._skip = torch.rsub(bad, 1.0)  # found_inf of the conditional copies: 1.0 (return at once) on a good step
+        for plan in self.native:
+            plan.save(_on(bad, _CPU))
+        if self.copies:
+            self._skip = torch.rsub(bad, 1.0)  # found_inf of the conditional copies: 1.0 (return at once) on a good step
         for i, (dev, ts, bs, scratch) in enumerate(list(self.copies)):
             try:
                 _copy_if(bs, ts, scratch, _on(self._skip, dev))
@@ -105,6 +130,8 @@ class _Plan:
 
     def restore(self, bad: Tensor) -> None:
         """After the step: what it changed back from the copies, when ``bad`` (0.0 or 1.0 on the device)."""
+        for plan in self.native:
+            plan.restore(_on(bad, _CPU))
         for dev, ts, bs, scratch in self.copies:
             _copy_if(ts, bs, scratch, _on(self._skip, dev))
         for dev, bits, ts, bs in self.groups:
@@ -124,6 +151,16 @@ def _on(t: Tensor, device: torch.device) -> Tensor:
     if t.device == device:
         return t
     return t.to(device, non_blocking=device.type != "cpu" or t.device.type == "cpu")
+
+
+_CPU = torch.device("cpu")
+
+
+def _native_copies(t: Tensor, copy: Tensor) -> bool:
+    """Whether ``t`` (and its copy) take the C++ ``CopyPlan``: dense, contiguous, on the CPU (any dtype:
+    the copy is byte for byte)."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous() and t.numel() > 0
+            and copy.is_contiguous() and copy.nbytes == t.nbytes and not t.is_conj() and not t.is_neg())
 
 
 def _copies_on_device(t: Tensor) -> bool:
