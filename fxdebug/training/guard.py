@@ -47,6 +47,7 @@ __all__ = ["Guard", "guard"]
 _INITIAL = {"momentum_buffer": -0.0}
 _LOG = 4096  # skipped steps whose step index and origin are kept (the count itself never saturates)
 _UNSET = object()
+_IS_CPU = operator.attrgetter("is_cpu")
 _RING = 256  # steps whose skip flags wait on the device before they are folded into the count and the log
 
 
@@ -232,7 +233,9 @@ class Guard(torch.optim.Optimizer):
         flags = []
         grads = [g for p in params if (g := p.grad) is not None]  # (params: those with a gradient)
         dev0 = grads[0].device
-        if all(g.device == dev0 for g in grads):  # (the usual case: one device, no dict to build)
+        # (the usual case: one device, no dict to build; on the CPU asked of each tensor as a bool, no
+        # device object made per gradient)
+        if all(map(_IS_CPU, grads)) if dev0.type == "cpu" else all(g.device == dev0 for g in grads):
             by_device: dict[torch.device, list[Tensor]] = {dev0: grads}
         else:
             by_device = {}
