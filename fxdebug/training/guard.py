@@ -11,7 +11,9 @@ bitwise as it was when so. Nothing in ``step()`` reads a device value back to th
 * every other optimizer (``foreach``, the per-tensor loop) steps as usual between a copy of what
   the step may change and a copy back, both conditional on the flag *in the kernel*: torch's fused
   SGD kernel, used as a copy (its first-step ``momentum_buffer = grad``), returns at once when its
-  ``found_inf`` input is 1.0, so a good step copies nothing (``_copy_if``). Tensors it cannot take
+  ``found_inf`` input is 1.0, so a good step copies nothing (``_copy_if``); on the CPU, where the
+  C++ extension is built, one ``fxdebug.CopyPlan`` does the same (byte-for-byte copies when the flag
+  is set; a good step reads the flag and returns). Tensors neither can take
   (bfloat16/float16, non-contiguous, other devices) are copied every step and selected back over
   their bits. The copies are buffers the guard keeps (one more copy of the parameters and their
   state in memory).

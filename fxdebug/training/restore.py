@@ -4,8 +4,10 @@ bitwise as they were without a host sync (used by ``fxdebug.guard``).
 A plan groups the tensors once by device and dtype (not per step). Float32/float64 tensors are saved
 and restored by a *conditional copy*: torch's fused SGD kernel, on its first step, sets the momentum
 buffer to the gradient (a plain load and store) and returns at once under its ``found_inf`` flag, so
-the copy happens only when the step is taken back. Other dtypes are saved each step and selected back
-over integer views of the same width (exact for NaN payloads, -0.0, Inf; nothing overflows)."""
+the copy happens only when the step is taken back. On the CPU, where the C++ extension is built, every
+contiguous tensor (any dtype) goes to one ``fxdebug.CopyPlan`` instead (byte-for-byte copies under the
+same flag, nothing touched on a good step). Other tensors are saved each step and selected back over
+integer views of the same width (exact for NaN payloads, -0.0, Inf; nothing overflows)."""
 from __future__ import annotations
 
 import operator
