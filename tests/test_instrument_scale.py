@@ -127,3 +127,30 @@ def test_instrumenting_an_instrumented_module_keeps_batches_and_rows():
         assert row.keys() <= ref.keys() and ref.keys() - row.keys() <= {"channels", "dead_frac"}
         assert {k: row[k] for k in row} == pytest.approx({k: ref[k] for k in row})
     assert sum(1 for n in again.graph.nodes if "observe_many" in str(n.target)) >= 2
+
+
+def test_no_collection_runs_inside_a_large_instrument_and_frozen_objects_stay_frozen():
+    # the build's objects join the oldest generation unscanned (gc.freeze + unfreeze): no young collection walks
+    # the graph on resuming; a process that froze objects itself keeps them frozen (unfreeze would release them)
+    model, x = _chain(3000), torch.randn(2, 4)
+    runs: list[int] = []
+
+    def seen(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,), frontend="symbolic")
+    finally:
+        gc.callbacks.remove(seen)
+    assert runs == []
+    assert torch.equal(dbg(x), model(x))
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        fxdebug.instrument(_chain(3000), [NaNCheck()], example_inputs=(x,), frontend="symbolic")
+        assert gc.get_freeze_count() > 0.9 * frozen  # (a few frozen objects may die by reference counting)
+    finally:
+        gc.unfreeze()
