@@ -95,6 +95,21 @@ def test_other_inputs_on_a_graph_dynamo_already_made_dynamic():
         dbg(torch.randn(4, 7, 8))
 
 
+def test_a_new_graph_failing_on_bad_sizes_gives_the_shape_assert_message():
+    # after another instance's bad call, Dynamo's per-class cache takes such sizes into a new graph whose shapes cannot
+    # be learnt (layer_norm fails on them): the earlier graphs' ShapeAssert names the input, not the op that failed
+    seen, (x,) = ZOO["transformer_block"]()
+    other = (torch.randn(3, 9, 16),)
+    first = fxdebug.instrument(seen.eval(), [ShapeAssert(other_inputs=other)], example_inputs=(x,), frontend="dynamo")
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"node 'x' .* produced \(N, L, 8\); expected \(N, L, 16\)"):
+        first(torch.randn(3, 9, 8))
+    model, _ = ZOO["transformer_block"]()
+    dbg = fxdebug.instrument(model.eval(), [ShapeAssert(other_inputs=other)], example_inputs=(x,), frontend="dynamo")
+    dbg(torch.randn(4, 7, 16))
+    with pytest.raises(fxdebug.ShapeMismatchError, match=r"node 'x' .* produced \(N, L, 8\); expected \(N, L, 16\)"):
+        dbg(torch.randn(4, 7, 8))
+
+
 def test_dtype_is_checked():
     model = nn.Linear(4, 2)
     dbg = fxdebug.instrument(model, [ShapeAssert()], example_inputs=(torch.randn(3, 4),))

@@ -57,6 +57,7 @@ _SAVED = "dynamo (before the module was saved and loaded, or copied): "
 _BREAK_WARNING = r"Dynamo does not know how to trace"
 _GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
 _QUIET = quiet_warnings(_GRAD_WARNING, _BREAK_WARNING)
+_WHILE_INSTRUMENTING = "_fxdebug_while_instrumenting"  # marks an error raised while a new graph was instrumented
 _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
                "eagerly between graphs (after a graph break) did not")
 
@@ -142,7 +143,11 @@ class LiveInstrumented(Instrumented):
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
                         self._raise_typed(args, kwargs, exc)
                         raise
-        except FxDebugError:
+        except FxDebugError as exc:
+            if exc.__dict__.get(_WHILE_INSTRUMENTING):  # a new graph's ops failed on these arguments while its shapes
+                guarded = self._guarded(args, kwargs)  # were learnt: a pass's guard from the earlier graphs comes first
+                if guarded is not None:  # (ShapeAssert's expected vs produced), as when Dynamo's own capture fails
+                    raise guarded from exc
             raise
         except torch._dynamo.exc.TorchRuntimeError as exc:  # an op of the model failed (on fake tensors), untyped
             if self.__dict__.get("_ran"):
@@ -264,7 +269,11 @@ class LiveInstrumented(Instrumented):
                 info.notes.append(f"dynamo: this graph ends at a graph break ({graph.where or '?'})")
             part.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
             inputs = Inputs(*[args[i] for i in prepared.keep])
-            part = run_passes(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
+            try:
+                part = run_passes(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
+            except FxDebugError as exc:
+                exc.__dict__[_WHILE_INSTRUMENTING] = True
+                raise
             info.seconds = time.perf_counter() - start
             top = graph_record(self)
             if not top.passes:  # the passes as they ran on the first graph
