@@ -12,22 +12,13 @@ from fxdebug.authoring.context import PassContext
 from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.graphs import SymbolicFrontend
 from fxdebug.errors import FxDebugError, TraceError
-from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.inputs import Inputs
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.module import Instrumented, raise_op_failure
 
 
 def _diagnose_part(part: Instrumented, keep: list[int], args: tuple[Any, ...], exc: Exception) -> None:
     """An op of a captured graph failed: name the node (a typed error), as an ``Instrumented`` call does."""
-    located = locate_failure(part, exc)
-    if located is None:
-        return
-    node, inputs = located
-    err = op_failure(node, exc, inputs)
-    if type(err) is FxDebugError:  # not a shape/device problem: keep the user's exception type
-        exc.add_note(f"fxdebug: {err.message}")
-        return
-    raise err from exc
+    raise_op_failure(part, exc)
 
 
 def _user_line(exc: BaseException) -> str:

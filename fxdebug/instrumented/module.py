@@ -139,15 +139,8 @@ class Instrumented(GraphModule):
         except FxDebugError:
             raise
         except Exception as exc:
-            located = locate_failure(self, exc)
-            if located is None:
-                raise
-            node, inputs = located
-            err = op_failure(node, exc, inputs)
-            if type(err) is FxDebugError:  # not a shape/device problem: keep the user's exception type
-                exc.add_note(f"fxdebug: {err.message}")
-                raise
-            raise err from exc
+            raise_op_failure(self, exc)
+            raise
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -393,3 +386,16 @@ def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dic
     return gm
 
 
+def raise_op_failure(gm: GraphModule, exc: Exception) -> None:
+    """An op of ``gm``'s graph raised ``exc``: raise the typed error naming its node (a shape or device
+    problem), or, for any other failure, note the node on ``exc`` and return (the caller re-raises it,
+    keeping the user's exception type)."""
+    located = locate_failure(gm, exc)
+    if located is None:
+        return
+    node, inputs = located
+    err = op_failure(node, exc, inputs)
+    if type(err) is FxDebugError:
+        exc.add_note(f"fxdebug: {err.message}")
+        return
+    raise err from exc
