@@ -214,3 +214,17 @@ def test_unconnected_parts_stack_in_execution_order(browser: Any, tmp_path: Path
     assert tops == sorted(tops) and len(set(tops)) == 8  # one below the other, in order
     width = int(browser.find_element(By.ID, "canvas").get_attribute("data-width"))
     assert width < 600
+
+
+def test_expanding_a_chain_of_one_child_boxes_opens_a_bounded_part_of_it(browser: Any, tmp_path: Path) -> None:
+    # a box of one item opens with its parent (nothing hidden by it), but a deep chain of one-child modules stops
+    # a few levels down: one click never lays out a hundred nested clusters
+    levels = 100
+    prefixes = [".".join(f"l{j}" for j in range(d + 1)) for d in range(levels)]
+    gm = chain([prefixes[-1]] * 3)  # three ops at the bottom of 100 levels, each level one child of the last
+    open_page(browser, write_html(build_view(gm), tmp_path / "chain.html"))
+    js(browser, "window.fxdebugViewer.collapse('l0')")
+    assert boxes(browser) == ["l0"]
+    js(browser, "window.fxdebugViewer.expand('l0')")
+    opened = js(browser, "window.fxdebugViewer.openClusters()")
+    assert 2 <= len(opened) <= 10 and "relu_2" not in drawn(browser)

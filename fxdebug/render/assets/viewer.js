@@ -475,13 +475,14 @@
   // -- actions ---------------------------------------------------------------------------------------
   function openChain(c) { for (; c; c = c.parent) setOpen(c, true); }
   // Opening a box also opens the boxes inside it that hold a single item (a live graph's ``conv``,
-  // ``act``: a box of one op hides nothing and costs a click); larger ones stay boxes, as do runs,
-  // folds and plumbing.
+  // ``act``: a box of one op hides nothing and costs a click), no more than AUTO_DEPTH levels down (a
+  // deep chain of one-child modules stays a click per AUTO_DEPTH levels); larger ones stay boxes, as
+  // do runs, folds and plumbing.
   function openBelow(c) {
     var queue = c.items.filter(function (it) { return it.isCluster; });
     for (var i = 0; i < queue.length; i++) {
       var k = queue[i];
-      if (k.virtual || isPlumbing(k) || k.items.length !== 1) continue;
+      if (k.virtual || isPlumbing(k) || k.items.length !== 1 || k.depth - c.depth > AUTO_DEPTH) continue;
       setOpen(k, true);
       k.items.forEach(function (it) { if (it.isCluster) queue.push(it); });
     }
