@@ -67,21 +67,30 @@ def test_distributed_doc_example_under_torchrun(tmp_path):
     import sys
 
     (tmp_path / "train.py").write_text(_blocks("docs/distributed.md")[0])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "train.py"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-    assert proc.returncode == 0, out
+
+    def run() -> tuple[int, str]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "train.py"]
+        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        return proc.returncode, out
+
+    code, out = run()
+    # once in ~15 runs on the loaded 2-core machine a rank aborted at interpreter exit ("terminate called without an
+    # active exception", C++ threads torn down) after the script had printed everything: run it once more then
+    if code != 0 and "terminate called without an active exception" in out and "from 256 values" in out:
+        code, out = run()
+    assert code == 0, out
     assert "origin: call 2, rank 1, node 'sqrt'" in out, out
     assert "each rank alone: ['fc1', 'sqrt']" in out and "from 256 values" in out, out
 
