@@ -411,5 +411,3 @@ def _to_device(value: Any, device: torch.device) -> Any:
         return type(value)(_to_device(v, device) for v in value)
     return value
 
-
-ProbeFactory = Callable[[], Probe]

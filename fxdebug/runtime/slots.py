@@ -42,10 +42,6 @@ def decode_row(host: list[float], row: int) -> dict[str, float]:
     return dict(zip(SLOTS, host[base: base + K]))
 
 
-def channel_slice(host: list[float], offset: int, channels: int) -> list[float]:
-    return host[offset: offset + channels]
-
-
 def host_copy(table: Any) -> list[float] | None:
     """The table as Python floats (the one sync), or ``None`` on a device holding no data."""
     if table is None or table.device.type == "meta":
