@@ -410,4 +410,3 @@ def _to_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_device(v, device) for v in value)
     return value
-
