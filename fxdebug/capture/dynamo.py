@@ -15,27 +15,23 @@ This module is the part of that frontend below ``instrumented/``:
   that graph once for itself and runs it; outside a session the graph runs as captured.
 * ``DynamoGraph`` — one graph Dynamo handed over: the frame it came from, the recompile index,
   and why it ended (the graph-break reason Dynamo gave).
-* ``NodeNamer`` / ``prepare`` — a copy of the graph whose nodes carry a stable identity: module
-  path + op + occurrence (``fc1``, ``layer1_0_conv1``, ``relu_1``), the same name in every
-  recompile of a frame, so that rows of every capture merge into one report; placeholders that
-  are the model's parameters and buffers are named and attributed to their module.
+* ``NodeNamer`` / ``prepare`` (in ``capture/dynamo_names.py``, re-exported here) — a copy of the graph
+  whose nodes carry a stable identity, the same name in every recompile of a frame, so that rows
+  of every capture merge into one report.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.node import map_arg
+from torch.fx import GraphModule
 
+from fxdebug.capture.dynamo_names import NodeNamer, Prepared, _source_name, clean_path, prepare, state_name
 from fxdebug.capture.dynamo_settings import dynamo_config, quiet_warnings
-from fxdebug.graph.meta import _clean_export_path, fx_meta
 
 __all__ = ["DynamoGraph", "NodeNamer", "Prepared", "backend", "clean_path", "dynamo_config", "live", "prepare",
            "quiet_warnings"]
@@ -124,237 +120,3 @@ def _code_key() -> str:
         return f"{code.co_filename}:{code.co_name}:{code.co_firstlineno}"
     except Exception:  # another torch: fall back on Dynamo's frame counter
         return ""
-
-
-# -- stable names ----------------------------------------------------------------------------------
-# the frame's self is ``L['self']`` (any name), or ``L['args'][0]`` when forward is wrapped by a ``def wrapper(*args,
-# **kwargs)`` decorator (Hugging Face's ``check_model_inputs`` / ``can_return_tuple`` on Llama and others)
-_STATE = re.compile(r"^L\['(\w+)'\](?:\[0\])?((?:\._modules\['[^']+'\])*)\.(_parameters|_buffers)\['([^']+)'\]$")
-_CHILD = re.compile(r"\._modules\['([^']+)'\]")
-_LOCAL_NAME = re.compile(r"^L\['(\w+)'\]$")
-
-
-def _source_name(node: Node) -> str:
-    source = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(source, "name", None)
-    if callable(name):
-        name = name()
-    return str(name) if name else ""
-
-
-def state_name(source: str) -> tuple[str, str, str] | None:
-    """``(module path, attribute, "parameter"|"buffer")`` for a placeholder source that is model state."""
-    m = _STATE.match(source)
-    if m is None:
-        return None
-    path = ".".join(_CHILD.findall(m.group(2)))
-    return path, m.group(4), "parameter" if m.group(3) == "_parameters" else "buffer"
-
-
-_SELF_IN_ARGS = re.compile(r"^L\['args'\]\[0\]\._(modules|parameters|buffers)\[")
-_ITEM = re.compile(r"^L\['(\w+)'\]\[(?:(\d+)|'(\w+)')\]$")
-
-
-def _input_name(source: str, model: Any = None, shift: int = 0) -> str | None:
-    """The user's name for an input placeholder: the forward's parameter name.
-
-    ``L['x']`` is ``x``. A module whose ``forward`` Dynamo enters through torch's wrapper (an
-    ``nn.Sequential``, for one) hands its inputs over as ``L['args'][i]`` / ``L['kwargs']['k']``:
-    the i-th positional parameter of the model's ``forward``, or ``k``. Items of ``*rest`` are
-    ``rest_0``, ``rest_1``, ... ``shift``: 1 when ``L['args'][0]`` is the module itself (a wrapped forward).
-    """
-    m = _LOCAL_NAME.match(source)
-    if m:
-        return m.group(1)
-    m = _ITEM.match(source)
-    if m is None:
-        return None
-    container, index, key = m.group(1), m.group(2), m.group(3)
-    if key is not None:
-        return key if container == "kwargs" else f"{container}_{key}"
-    if container == "args" and model is not None:
-        try:
-            params = list(inspect.signature(model.forward).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        at = int(index) - shift
-        if 0 <= at < len(positional):
-            return positional[at]
-        var = [p.name for p in params if p.kind == p.VAR_POSITIONAL]
-        if var and at >= 0:
-            return f"{var[0]}_{at - len(positional)}"
-    return f"{container}_{index}"
-
-
-_ROOT = re.compile(r"^L\['args'\]\[0\]\.?|^L\['\w+'\]\.?|^L__\w+?___?")
-
-
-def clean_path(path: str) -> str:
-    """``L['self'].layer1[0].conv1`` (any name for the frame's ``self``) → ``layer1.0.conv1``."""
-    return _clean_export_path(_ROOT.sub("", path))
-
-
-def _scope(node: Node) -> tuple[str, str | None, tuple[str, ...]]:
-    """(module path, module type, stack keys) of the innermost module ``node`` ran in."""
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "", None, ()
-    path, typ = list(stack.values())[-1]
-    type_name = typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1].rstrip("'>")
-    return clean_path(str(path)), type_name, tuple(stack)
-
-
-def _op_name(node: Node) -> str:
-    target = node.target
-    if isinstance(target, str):
-        return target
-    name = getattr(target, "__name__", None) or type(target).__name__
-    return str(name).lstrip("_") or "op"
-
-
-@dataclass
-class NodeNamer:
-    """Stable node identities over every capture of one live module.
-
-    ``(frame, base, occurrence)`` maps to one name. Inside a module the frame is ``None``: the
-    module path + op + occurrence is the identity, whichever frame ran it (a recompile, or the same
-    forward entered through another frame after a graph break), so their rows merge. At the root
-    the frame's code is part of it: the root ops of another frame (after a graph break) continue
-    the numbering instead of merging with unrelated ones.
-    """
-
-    names: dict[tuple[Any, str, int], str] = field(default_factory=dict)
-    used: set[str] = field(default_factory=set)
-
-    def name(self, frame: Any, base: str, occurrence: int) -> str:
-        key = (frame, base, occurrence)
-        found = self.names.get(key)
-        if found is not None:
-            return found
-        n, candidate = occurrence, base if occurrence == 0 else f"{base}_{occurrence}"
-        while candidate in self.used:
-            n += 1
-            candidate = f"{base}_{n}"
-        self.used.add(candidate)
-        self.names[key] = candidate
-        return candidate
-
-
-def _safe(name: str) -> str:
-    out = re.sub(r"\W", "_", name)
-    return out if out and not out[0].isdigit() else f"_{out}"
-
-
-@dataclass
-class Prepared:
-    """A graph ready for the passes: stable names, module paths, model state read by ``get_attr``.
-
-    ``keep``: which of Dynamo's arguments the graph still takes (the others are the model's own
-    parameters and buffers, read live from the model); ``constants``: ``{target: value}`` for
-    tensors and modules Dynamo's graph held itself, to be registered under ``fxdebug.*``.
-    """
-
-    graph: Graph
-    keep: list[int]
-    constants: dict[str, Any]
-
-
-def _resolve(model: Any, path: str, attr: str, kind: str) -> Any:
-    try:
-        owner = model.get_submodule(path) if path else model
-    except AttributeError:
-        return None
-    table = owner._parameters if kind == "parameter" else owner._buffers
-    return table.get(attr)
-
-
-def prepare(graph: DynamoGraph, namer: NodeNamer, args: tuple[Any, ...], model: Any, space: str) -> Prepared:
-    """A copy of ``graph`` with stable node names; placeholders that are ``model``'s state become ``get_attr``.
-
-    A placeholder becomes ``get_attr`` only when the model's attribute at its source path is the
-    very tensor Dynamo passed (a frame whose ``self`` is not the model keeps its placeholders).
-    """
-    src = graph.gm
-    new = Graph()
-    env: dict[Node, Node] = {}
-    keep: list[int] = []
-    constants: dict[str, Any] = {}
-    counts: dict[str, int] = {}
-    sources = list(graph.sources)
-    # a wrapped forward: args[0] is self (its state is read through it; not a size of an input, L['args'][0].size())
-    shift = 1 if any(_SELF_IN_ARGS.match(src) for src in sources) else 0
-    index = -1
-
-    def arg(a: Any) -> Any:
-        return map_arg(a, lambda n: env[n])
-
-    for node in src.graph.nodes:
-        meta = {k: v for k, v in node.meta.items() if k not in ("grapharg", "fxdebug")}
-        if node.op == "placeholder":
-            index += 1
-            source = sources[index] if index < len(sources) else ""
-            state = state_name(source)
-            value = _resolve(model, *state) if state is not None else None
-            if state is not None and index < len(args) and value is args[index]:
-                path, attr, kind = state
-                out = new.get_attr(f"{path}.{attr}".lstrip("."))
-                out.meta.update(meta)
-                fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind, dynamo_arg=index)
-            else:
-                keep.append(index)
-                out = new.placeholder(_safe(_input_name(source, model, shift) or node.name))
-                out.meta.update(meta)
-                fx_meta(out)["module"] = ""
-            env[node] = out
-            continue
-        if node.op == "output":
-            out = new.output(arg(node.args[0]))
-            out.meta.update(meta)
-            env[node] = out
-            continue
-        if node.op == "get_attr" or node.op == "call_module":  # Dynamo's own constants and modules
-            name = _safe(str(node.target).replace(".", "_"))
-            constants[name] = _fetch(src, str(node.target))
-            out = new.create_node(node.op, f"{space}.constants.{name}", arg(node.args), arg(node.kwargs), name=name)
-            out.meta.update(meta)
-            env[node] = out
-            continue
-        path, typ, keys = _scope(node)
-        if path and _is_scope_output(node, keys):
-            base = path.replace(".", "_")
-        else:
-            op = _op_name(node)
-            base = f"{path.replace('.', '_')}_{op}" if path else op
-        base = _safe(base)
-        k = counts.get(base, 0)
-        counts[base] = k + 1
-        out = new.create_node(node.op, node.target, arg(node.args), arg(node.kwargs),
-                              name=namer.name(None if path else (graph.code or graph.frame), base, k))
-        out.meta.update(meta)
-        fx_meta(out)["module"] = path
-        if typ is not None:
-            fx_meta(out)["module_type"] = typ
-        env[node] = out
-    return Prepared(new, keep, constants)
-
-
-def _fetch(gm: Any, target: str) -> Any:
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _is_scope_output(node: Node, keys: tuple[str, ...]) -> bool:
-    """Whether ``node``'s value leaves its innermost module (a user outside it, or the graph output)."""
-    if not keys:
-        return False
-    inner = keys[-1]
-    for user in node.users:
-        if user.op == "output":
-            return True
-        stack = user.meta.get("nn_module_stack") or {}
-        if inner not in stack:
-            return True
-    return False
