@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule
 from torch.fx._pytree import tree_flatten_spec
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fxdebug.errors import MissingInputsError
 from fxdebug.graph.module_state import ModuleState
@@ -87,8 +87,70 @@ def bind_inputs(gm: GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 def clone_inputs(values: Any) -> Any:
     """``values`` with every tensor cloned, as torch's ShapeProp does: a forward that works in
-    place (``x.mul_(2)``) must not change the user's example inputs."""
-    return tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, values)
+    place (``x.mul_(2)``) must not change the user's example inputs.
+
+    Aliasing is kept: one tensor passed twice (Hugging Face's ``labels=input_ids``) becomes one
+    clone passed twice, and tensors that share memory (``x`` and ``x[1:]``) become views of one copy
+    of that memory. A capture on the clones then sees the inputs the user's own calls will bring:
+    Dynamo guards on which inputs are the same tensor, so separate clones of one tensor would make
+    its first real call capture the whole model again. Tensors that require grad keep their
+    autograd link (``clone()``; only the same object twice stays one clone there)."""
+    flat, spec = tree_flatten(values)
+    tensors = [v for v in flat if isinstance(v, Tensor)]
+    if not tensors:
+        return values
+    clones: dict[int, Tensor] = {}  # id of a user tensor -> its clone
+    shared = _shared_storages(tensors)
+    copies: dict[Any, Any] = {}  # storage key -> a copy of that storage (tensors that share memory)
+    for t in tensors:
+        if id(t) in clones:
+            continue
+        key = _storage_key(t) if shared else None
+        if key is not None and key in shared:
+            storage = copies.get(key)
+            if storage is None:
+                storage = copies[key] = t.untyped_storage().clone()
+            clones[id(t)] = t.new_empty(0).set_(storage, t.storage_offset(), t.size(), t.stride())
+        else:
+            clones[id(t)] = t.clone()
+    return tree_unflatten([clones[id(v)] if isinstance(v, Tensor) else v for v in flat], spec)
+
+
+def _storage_key(t: Tensor) -> Any:
+    """Which memory ``t`` views, for tensors whose views ``clone_inputs`` can rebuild over a copy
+    (dense, no autograd history to keep, not a tensor subclass); ``None`` for the rest."""
+    if (type(t) is not Tensor or t.requires_grad or t.layout != torch.strided or t.is_meta
+            or t.device.type == "meta" or t.is_conj() or t.is_neg()):
+        return None
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a functional or fake tensor: no storage to share
+        return None
+    if storage.nbytes() == 0:
+        return None
+    return (t.device, storage.data_ptr())
+
+
+def _shared_storages(tensors: list[Tensor]) -> set[Any]:
+    """The memory that two or more distinct tensors among ``tensors`` view."""
+    seen: dict[Any, int] = {}
+    shared: set[Any] = set()
+    for t in tensors:
+        key = _storage_key(t)
+        if key is None:
+            continue
+        first = seen.setdefault(key, id(t))
+        if first != id(t):
+            shared.add(key)
+    # a copy of the whole memory only where it is not much more than the views themselves (two rows
+    # of a large data set tensor are cloned one by one: aliasing lost there, memory kept)
+    size = {key: 0 for key in shared}
+    for t in {id(t): t for t in tensors}.values():
+        key = _storage_key(t)
+        if key in size:
+            size[key] += t.numel() * t.element_size()
+    return {key for key in shared if next(t for t in tensors if _storage_key(t) == key).untyped_storage().nbytes()
+            <= 2 * size[key]}
 
 
 @contextlib.contextmanager
