@@ -13,7 +13,9 @@
   ``on_train_begin`` the model's ``forward`` is routed through an instrumented module built over
   it on the first training call (``fxdebug.integrations._session``), and restored at
   ``on_train_end``. Evaluation calls run the plain model.
-* Every ``every`` optimizer steps the report goes through the Trainer's own ``log()``: the keys
+* Every ``every`` optimizer steps the report goes through the Trainer's own ``log()`` (its control
+  flags put back afterwards: the Trainer's own loss entry of that step is logged as without the
+  callback, beside ours at the same step): the keys
   ``fxdebug/...`` (``Report.scalars``: a few summaries plus at most ``top_k`` per-node values)
   land in ``trainer.state.log_history`` and reach every tracker in ``report_to`` (a tracker's
   ``on_log`` sees them like the loss). Statistics are reset after each log, so each logged value
@@ -107,7 +109,7 @@ class FxDebugTrainerCallback(SessionCallback, TrainerCallback):
             return control
         values = self.session.scalars(report)
         if self._trainer is not None:
-            self._trainer.log(dict(values))  # log_history and every report_to tracker
+            _log_beside(self._trainer, control, dict(values))  # log_history and every report_to tracker
         else:  # no Trainer found: the next on_log carries them (trackers before this callback miss them)
             self._pending = values
         self.session.reset()
@@ -121,6 +123,24 @@ class FxDebugTrainerCallback(SessionCallback, TrainerCallback):
                 state.log_history[-1].update(pending)
             self._pending = None
         return control
+
+
+def _log_beside(trainer: Any, control: Any, values: dict[str, float]) -> None:
+    """``trainer.log(values)`` with the Trainer's control flags put back afterwards.
+
+    The callback handler's ``on_log`` clears ``control.should_log`` (and other callbacks' ``on_log``
+    may set flags): called from ``on_step_end``, that would make the Trainer skip logging its own
+    loss on this step. Our entry is an extra one beside the Trainer's (same step), never a change
+    of what the Trainer does next."""
+    controls = {id(c): c for c in (control, getattr(trainer, "control", None)) if c is not None}
+    saved = {key: dict(vars(c)) for key, c in controls.items()}
+    try:
+        trainer.log(values)
+    finally:
+        for key, c in controls.items():
+            vars(c).update(saved[key])
+        if getattr(trainer, "control", None) is not control and control is not None:
+            trainer.control = control  # Trainer.log rebinds it to what the handler returned
 
 
 def _find_trainer(callback: Any) -> Any:
