@@ -27,7 +27,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import GUARD, is_instrumentation, module_path, node_meta, op_label, source_line
+from fxdebug.authoring import GUARD, Options, is_instrumentation, module_path, node_meta, op_label, source_line
 
 __all__ = ["Breakpoint", "BreakpointHit"]
 
@@ -100,11 +100,10 @@ class Breakpoint(fxdebug.Pass):
     def __init__(self, where: Where, when: Callable[..., Any] | None = None,
                  action: Callable[[BreakpointHit], Any] | None = None, *, once: bool = False) -> None:
         super().__init__(where=where)
-        if when is not None and not callable(when):
-            raise UsageError(f"Breakpoint(when=...) must be a function of the outputs (see fxdebug.when); got {when!r}.")
-        if action is not None and not callable(action):
-            raise UsageError(f"Breakpoint(action=...) must be a function taking a BreakpointHit; got {action!r}.")
-        self.when, self.action, self.once = when, action or debugger, once
+        opts = Options(self)
+        self.when = opts.function("when", when, "a function of the outputs (see fxdebug.when)")
+        self.action = opts.function("action", action, "a function taking a BreakpointHit") or debugger
+        self.once = opts.flag("once", once)
         self.hits: list[BreakpointHit] = []
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:

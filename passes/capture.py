@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import UsageError
-from fxdebug.authoring import ObservationContext, Observer, PassContext, PassResult, Probe, Reductions, Where, node_meta
+from fxdebug.authoring import ObservationContext, Observer, Options, PassContext, PassResult, Probe, Reductions, Where, node_meta
 
 __all__ = ["Capture"]
 
@@ -66,8 +66,12 @@ class Capture(fxdebug.Pass):
         if nodes is None and where is None:
             raise UsageError("Capture needs the nodes to keep: Capture(['layer4']) (names, module paths or globs), "
                              "or Capture(where='layer4.*') for every node that where= selects.")
+        opts = Options(self)
+        if nodes is not None and not isinstance(nodes, str):
+            opts.iterable("nodes", nodes, str, what="node names, module paths or globs", example="['layer4', 'fc']")
         self.nodes = ["*"] if nodes is None else [nodes] if isinstance(nodes, str) else list(nodes)
-        self.grads, self.clone = grads, clone
+        self.grads = opts.flag("grads", grads)
+        self.clone = None if clone is None else opts.flag("clone", clone)
         self._observers: dict[str, tuple[str, Observer]] = {}
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:

@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from .derived import mark_derived
 from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, node_values, replace_pattern
-from fxdebug.authoring import node_meta
+from fxdebug.authoring import Options, node_meta
 
 __all__ = ["Fuse", "fold_batchnorm"]
 
@@ -83,7 +83,8 @@ class Fuse(Pass):
 
     def __init__(self, *, atol: float = 1e-4, rtol: float = 1e-4, where: fxdebug.Where = None) -> None:
         super().__init__(where=where)
-        self.atol, self.rtol = atol, rtol
+        opts = Options(self)
+        self.atol, self.rtol = opts.number("atol", atol, low=0), opts.number("rtol", rtol, low=0)
 
     def fold(self, layer: nn.Module, bn: nn.Module) -> nn.Module:
         """The fused layer for one pair; override to change how folding is done."""

@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import GUARD, get_attr, node_meta
+from fxdebug.authoring import GUARD, Options, get_attr, node_meta
 
 __all__ = ["Freeze", "GradientScale"]
 
@@ -88,10 +88,8 @@ class GradientScale(fxdebug.Pass):
         if where is None:
             raise UsageError("GradientScale needs where=: the values whose gradient to scale, e.g. "
                              "fxdebug.outputs_of('layer2').")
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool):
-            raise UsageError(f"GradientScale factor must be a number (-1 reverses, 0 stops); got {factor!r}.")
+        self.factor = Options(self).number("factor", factor, doc="a number (-1 reverses, 0 stops the gradient)")
         super().__init__(where=where)
-        self.factor = float(factor)
         self.enabled = True
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:

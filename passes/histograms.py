@@ -26,6 +26,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug.authoring import Options
 
 __all__ = ["HistogramProbe", "Histograms"]
 
@@ -115,12 +116,15 @@ class Histograms(fxdebug.Pass):
 
     def __init__(self, bins: int = 64, *, range: tuple[float, float] | None = None, grads: bool = False,
                  views: bool = False, where: Where = None) -> None:
-        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
-            raise fxdebug.UsageError(f"Histograms(bins={bins!r}): give a positive number of bins.")
-        if range is not None and not float(range[0]) < float(range[1]):
-            raise fxdebug.UsageError(f"Histograms(range={range!r}): need lo < hi.")
+        opts = Options(self)
+        self.bins = opts.number("bins", bins, low=1, integer=True, doc="the number of bins, an int >= 1")
+        lo_hi = opts.iterable("range", range, (int, float), what="two numbers (lo, hi), lo < hi", example="(-3.0, 3.0)",
+                              none=True)
+        if lo_hi is not None and not (len(lo_hi) == 2 and float(lo_hi[0]) < float(lo_hi[1])):
+            raise opts.error("range", range, "two numbers (lo, hi) with lo < hi, or None", wrong_kind=False)
         super().__init__(where=where)
-        self.bins, self.range, self.grads, self.views = bins, range, grads, views
+        self.range = None if lo_hi is None else (float(lo_hi[0]), float(lo_hi[1]))
+        self.grads, self.views = opts.flag("grads", grads), opts.flag("views", views)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))

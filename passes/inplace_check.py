@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Interpreter, Node
 import fxdebug
 from fxdebug import InplaceError, MissingInputsError, PassContext, PassResult, UsageError, Where
 from fxdebug.authoring import (
-    GUARD, is_instrumentation, keep_state, matches, module_path, node_meta, node_values, op_label, source_line,
+    GUARD, Options, is_instrumentation, keep_state, matches, module_path, node_meta, node_values, op_label, source_line,
 )
 
 __all__ = ["InplaceCheck", "InplaceFinding"]
@@ -195,7 +195,7 @@ class InplaceCheck(fxdebug.Pass):
 
     def __init__(self, *, where: Where = None, raise_at_runtime: bool = True) -> None:
         super().__init__(where=where)
-        self.raise_at_runtime = raise_at_runtime
+        self.raise_at_runtime = Options(self).flag("raise_at_runtime", raise_at_runtime)
         self.findings: list[InplaceFinding] = []
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:

@@ -26,6 +26,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 import fxdebug.authoring
+from fxdebug.authoring import Options
 from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
 
 __all__ = ["ExpertLoad"]
@@ -101,9 +102,8 @@ class ExpertLoad(fxdebug.Pass):
 
     def __init__(self, experts: int | None = None, *, where: Where = None) -> None:
         super().__init__(where=where)
-        if experts is not None and (isinstance(experts, bool) or not isinstance(experts, int) or experts < 1):
-            raise UsageError(f"ExpertLoad(experts={experts!r}): give the number of experts, a positive int.")
-        self.experts = experts
+        self.experts = Options(self).number("experts", experts, low=1, integer=True, none=True,
+                                            doc="the number of experts, an int >= 1, or None (read from the router)")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []

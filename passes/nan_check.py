@@ -30,7 +30,8 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import HIDDEN, NONFINITE, ORIGIN, Column, FusedProbe, FusedStats, NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
+from fxdebug import HIDDEN, NONFINITE, ORIGIN, Column, FusedProbe, FusedStats, NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
+from fxdebug.authoring import Options
 
 __all__ = ["NaNCheck"]
 
@@ -262,16 +263,15 @@ class NaNCheck(fxdebug.Pass):
                  where: Where = None, history: int | None = None, on_nonfinite: Any = None,
                  samples: bool = False) -> None:
         super().__init__(where=where)
-        self.samples = samples
-        self.views = views
-        if history is not None or on_nonfinite is not None:
-            from .recorder import Recorder
+        opts = Options(self)
+        self.mode = opts.choice("mode", mode, ("record", "raise"),
+                                doc="'record' (no host sync) or 'raise' (stop at the first NaN/Inf)")
+        self.backward, self.counts = opts.flag("backward", backward), opts.flag("counts", counts)
+        self.views, self.samples = opts.flag("views", views), opts.flag("samples", samples)
+        self.history = opts.number("history", history, low=1, integer=True, none=True)
+        from .recorder import on_nonfinite_option
 
-            Recorder(history or 1, on_nonfinite=on_nonfinite)  # validates both
-        self.history, self.on_nonfinite = history, on_nonfinite
-        if mode not in ("record", "raise"):
-            raise UsageError(f"NaNCheck(mode={mode!r}): mode is 'record' (no host sync) or 'raise' (stop at the first NaN/Inf).")
-        self.mode, self.backward, self.counts = mode, backward, counts
+        self.on_nonfinite = on_nonfinite_option(opts, on_nonfinite)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []

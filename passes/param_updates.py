@@ -33,7 +33,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 import fxdebug.authoring
-from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError
+from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions
 
 __all__ = ["ParamUpdates"]
 
@@ -347,7 +347,8 @@ class ParamUpdates(fxdebug.Pass):
         super().__init__(where=where)
         inner = getattr(optimizer, "optimizer", optimizer)  # fxdebug.guard(...) wraps one
         if not isinstance(inner, torch.optim.Optimizer):
-            raise UsageError(f"ParamUpdates(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+            raise fxdebug.authoring.Options(self).error(
+                "optimizer", optimizer, "a torch.optim.Optimizer (or the fxdebug.guard that wraps one)")
         self.table = UpdateTable(inner)
 
     def _selects(self, node: Node) -> bool:

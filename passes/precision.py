@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, numerics
+from fxdebug.authoring import Options
 
 __all__ = ["Precision"]
 
@@ -31,11 +32,13 @@ class Precision(fxdebug.Pass):
 
     def __init__(self, plan: Any, *, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        opts = Options(self)
         nodes = getattr(plan, "nodes", plan)
         if isinstance(nodes, str) or not isinstance(nodes, Iterable):
-            raise fxdebug.UsageError(f"Precision(plan): plan is a PrecisionPlan or a list of node names, got {plan!r}.")
+            raise opts.error("plan", plan, "a PrecisionPlan (fxdebug.precision_plan) or a list of node names")
         self.nodes: list[str] = [str(n) for n in nodes]
-        self.dtype = dtype
+        self.dtype = opts.instance("dtype", dtype, torch.dtype, "a floating torch.dtype, e.g. torch.float32",
+                                   check=lambda d: d.is_floating_point)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         by_name = {n.name: n for n in gm.graph.nodes}

@@ -26,7 +26,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import COLOR, HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
-from fxdebug.authoring import GUARD, node_meta
+from fxdebug.authoring import GUARD, Options, node_meta
 
 __all__ = ["Profile"]
 
@@ -191,7 +191,7 @@ class Profile(fxdebug.Pass):
 
     def __init__(self, time: bool = False, *, where: Where = None) -> None:
         super().__init__(where=where)
-        self.time = time
+        self.time = Options(self).flag("time", time)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         group: list[TimeProbe] = []

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResult, UsageError, get_module, is_conv, is_linear,
                      keep_state, node_values)
-from fxdebug.authoring import node_meta
+from fxdebug.authoring import Options, node_meta
 
 from .derived import mark_derived
 from .prune_groups import channel_groups
@@ -121,19 +121,18 @@ class PruneMasks(Pass):
                  importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,
                  batch: Any = None, norm: int = 1, prune_outputs: bool = False, where: fxdebug.Where = None) -> None:
         super().__init__(where=where)
-        if not 0.0 <= float(amount) < 1.0:
-            raise UsageError(f"PruneMasks(amount={amount!r}): amount is a fraction in [0, 1).")
-        if structured not in (False, None, "channels"):
-            raise UsageError(f"PruneMasks(structured={structured!r}): use False or \"channels\".")
-        if scope not in ("global", "layer"):
-            raise UsageError(f"PruneMasks(scope={scope!r}): use \"global\" or \"layer\".")
-        if importance not in ("magnitude", "grad", "activation"):
-            raise UsageError(f"PruneMasks(importance={importance!r}): use \"magnitude\", \"grad\" or \"activation\".")
+        opts = Options(self)
+        amount = opts.number("amount", amount, low=0, high=1, high_open=True, doc="the fraction to prune, a number in [0, 1)")
+        structured = opts.choice("structured", structured, (False, None, "channels"),
+                                 doc="False (single weights) or 'channels' (whole output channels)")
+        scope = opts.choice("scope", scope, ("global", "layer"))
+        importance = opts.choice("importance", importance, ("magnitude", "grad", "activation"))
+        bake, prune_outputs = opts.flag("bake", bake), opts.flag("prune_outputs", prune_outputs)
+        loss_fn = opts.function("loss_fn", loss_fn, "a function of the model's output returning a scalar loss")
+        norm = opts.choice("norm", norm, (1, 2))
         if importance == "grad" and loss_fn is None:
             raise UsageError("PruneMasks(importance=\"grad\") needs loss_fn=, a function of the model's output "
                              "returning a scalar loss (e.g. lambda out: F.cross_entropy(out, y)).")
-        if norm not in (1, 2):
-            raise UsageError(f"PruneMasks(norm={norm!r}): use 1 or 2.")
         self.amount, self.structured, self.scope, self.importance, self.bake = float(amount), structured or False, scope, importance, bake
         self.loss_fn, self.batch, self.norm = loss_fn, batch, norm
         self.prune_outputs = bool(prune_outputs)

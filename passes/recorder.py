@@ -18,8 +18,16 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, Where, numerics
+from fxdebug.authoring import Options
 
 __all__ = ["Recorder"]
+
+
+def on_nonfinite_option(opts: Options, value: Any) -> Any:
+    """``on_nonfinite=``, checked by the rule of ``opts`` (shared by ``Recorder`` and ``NaNCheck``)."""
+    if value is None or callable(value) or isinstance(value, str) or hasattr(value, "__fspath__"):
+        return value
+    raise opts.error("on_nonfinite", value, "a callable taking the report, or a path to write the report to as JSON")
 
 
 class Recorder(fxdebug.Pass):
@@ -39,13 +47,10 @@ class Recorder(fxdebug.Pass):
     def __init__(self, history: int = 64, *, on_nonfinite: Callable[[Any], Any] | str | None = None,
                  views: bool = False, where: Where = None) -> None:
         super().__init__(where=where)
-        if not isinstance(history, int) or isinstance(history, bool) or history < 1:
-            raise fxdebug.UsageError(f"Recorder(history={history!r}): history is how many calls to keep, an int >= 1.")
-        if on_nonfinite is not None and not callable(on_nonfinite) and not isinstance(on_nonfinite, str) \
-                and not hasattr(on_nonfinite, "__fspath__"):
-            raise fxdebug.UsageError(f"Recorder(on_nonfinite={on_nonfinite!r}): a callable taking the report, or a "
-                                     "path to write the report to as JSON.")
-        self.history, self.on_nonfinite, self.views = history, on_nonfinite, views
+        opts = Options(self)
+        self.history = opts.number("history", history, low=1, integer=True, doc="how many calls to keep, an int >= 1")
+        self.on_nonfinite = on_nonfinite_option(opts, on_nonfinite)
+        self.views = opts.flag("views", views)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))

@@ -16,6 +16,7 @@ from torch.fx import GraphModule
 
 import fxdebug
 from fxdebug import PassContext, PassResult, Where, numerics
+from fxdebug.authoring import Options
 
 __all__ = ["Shadow"]
 
@@ -40,10 +41,10 @@ class Shadow(fxdebug.Pass):
 
     def __init__(self, dtype: torch.dtype = torch.float64, *, views: bool = False, where: Where = None) -> None:
         super().__init__(where=where)
-        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise fxdebug.UsageError(f"Shadow(dtype={dtype!r}): the shadow dtype must be a floating torch.dtype, "
-                                     "e.g. torch.float64.")
-        self.dtype, self.views = dtype, views
+        opts = Options(self)
+        self.dtype = opts.instance("dtype", dtype, torch.dtype, "a floating torch.dtype, e.g. torch.float64",
+                                   check=lambda d: d.is_floating_point)
+        self.views = opts.flag("views", views)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         nodes = ctx.nodes(gm, self.where)

@@ -32,7 +32,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import ShapeMismatchError
-from fxdebug.authoring import FusedProbe, ObservationContext, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
+from fxdebug.authoring import FusedProbe, ObservationContext, Options, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
 
 __all__ = ["ShapeAssert"]
 
@@ -120,9 +120,11 @@ class ShapeAssert(fxdebug.Pass):
     def __init__(self, dynamic_dims: Iterable[int] = (0,), *, other_inputs: Any = None, check_dtype: bool = True,
                  where: Where = None) -> None:
         super().__init__(where=where)
-        self.dynamic_dims = tuple(dynamic_dims)
+        opts = Options(self)
+        self.dynamic_dims = opts.iterable("dynamic_dims", dynamic_dims, int, what="dim indices (ints)",
+                                          example="(0,) or (0, 1), () for none")
         self.other_inputs = other_inputs
-        self.check_dtype = check_dtype
+        self.check_dtype = opts.flag("check_dtype", check_dtype)
         # a live (Dynamo) module captures these too, quietly, at instrument(): a graph specialised to the first
         # example's sizes cannot run them, so their own capture is where the differing dims are learnt
         self.example_variants = () if other_inputs is None else (other_inputs,)

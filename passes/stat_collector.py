@@ -31,7 +31,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import COLOR, HIDDEN, Column, FusedProbe, FusedStats, PassContext, PassResult, Where
-from fxdebug.authoring import FindingRule, activation_row
+from fxdebug.authoring import FindingRule, Options, activation_row
 
 
 __all__ = ["StatCollector", "channel_dim_of"]
@@ -168,7 +168,7 @@ class StatCollector(fxdebug.Pass):
             skip per-channel statistics (dead fraction).
         where: limit the watched nodes (globs over module paths / node names, or a predicate).
         histograms: also keep a value histogram per node (and gradient, with ``grads``) in fixed
-            bins on the device (``True``: 64 bins, or the number of bins); see ``Histograms``.
+            bins on the device (``True`` or ``1``: 64 bins, or the number of bins, >= 2); see ``Histograms``.
     """
 
     name = "stat-collector"
@@ -178,14 +178,14 @@ class StatCollector(fxdebug.Pass):
                  channel_dim: int | str | None = "auto", views: bool = False, where: Where = None,
                  histograms: bool | int = False) -> None:
         super().__init__(where=where)
-        self.histograms = 64 if histograms is True else int(histograms) if histograms else 0
-        for flag, value in (("grads", grads), ("counts", counts), ("exact", exact), ("views", views)):
-            if not isinstance(value, bool):  # grads="yes" would be truthy, and so would grads="no"
-                raise fxdebug.UsageError(f"StatCollector({flag}={value!r}): {flag} must be True or False.")
-        if not (channel_dim is None or channel_dim == "auto" or (isinstance(channel_dim, int) and not isinstance(channel_dim, bool))):
-            raise fxdebug.UsageError(f"StatCollector(channel_dim={channel_dim!r}): use an int, None or 'auto'.")
-        self.views = views
-        self.grads, self.counts, self.exact, self.channel_dim = grads, counts, exact, channel_dim
+        opts = Options(self)
+        self.grads, self.counts = opts.flag("grads", grads), opts.flag("counts", counts)
+        self.exact, self.views = opts.flag("exact", exact), opts.flag("views", views)
+        self.channel_dim = channel_dim if channel_dim is None or channel_dim == "auto" else opts.number(
+            "channel_dim", channel_dim, integer=True, doc="an int (the channel dim of every node), None or 'auto'")
+        on = histograms if isinstance(histograms, bool) or histograms in (0, 1) and not isinstance(histograms, float) else None
+        self.histograms = (64 if opts.flag("histograms", on) else 0) if on is not None else opts.number(
+            "histograms", histograms, low=2, integer=True, doc="a flag (True: 64 bins) or a number of bins, an int >= 2")
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []

@@ -23,7 +23,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import Pass, PassContext, PassError, PassResult, UsageError, is_inplace, is_relu, module_path, op_label
-from fxdebug.authoring import node_meta
+from fxdebug.authoring import Options, node_meta
 
 __all__ = ["SwapActivation"]
 
@@ -69,13 +69,11 @@ class SwapActivation(Pass):
     def __init__(self, negative_slope: float = 0.01, to: Callable[[], nn.Module] | None = None,
                  only_dead: float | None = None, *, report: Any = None, where: fxdebug.Where = None) -> None:
         super().__init__(where=where)
-        if only_dead is not None and not 0.0 <= float(only_dead) <= 1.0:
-            raise UsageError(f"SwapActivation(only_dead={only_dead!r}): the dead fraction is between 0 and 1.")
-        if to is not None and not callable(to):
-            raise UsageError(f"SwapActivation(to={to!r}): give a factory such as nn.GELU or lambda: nn.ELU(0.5).")
-        self.negative_slope = negative_slope
-        self.to = to
-        self.only_dead = only_dead
+        opts = Options(self)
+        self.negative_slope = opts.number("negative_slope", negative_slope)
+        self.to = opts.function("to", to, "a factory of the new activation, such as nn.GELU or lambda: nn.ELU(0.5)")
+        self.only_dead = opts.number("only_dead", only_dead, low=0, high=1, none=True,
+                                     doc="the dead fraction above which a ReLU is swapped, a number in [0, 1], or None")
         self.report = report
 
     def _make(self, inplace: bool) -> nn.Module:

@@ -37,7 +37,7 @@ DESIGN_NAMES = {
 }
 AUTHORING_API = {
     "CLOCK", "COLOR", "Column", "FindingRule", "FusedProbe", "FusedStats", "GRADIENT", "GRADIENT_MEAN", "GUARD", "GraphRecord", "HIDDEN", "INSTRUMENTATION",
-    "KNOWN_REQUIREMENTS", "Match", "NONFINITE", "NodeMeta", "ORIGIN", "ObservationContext", "Observer", "Pass",
+    "KNOWN_REQUIREMENTS", "Match", "NONFINITE", "NodeMeta", "ORIGIN", "ObservationContext", "Observer", "Options", "Pass",
     "PassContext", "PassManager", "PassResult", "Probe", "Reductions", "Replacement", "SAMPLE", "TensorSpec",
     "VALUE", "Where", "activation_row", "describe", "find_pattern", "fx_meta", "get_attr", "get_module", "graph_pass", "graph_record",
     "is_batchnorm", "is_conv", "is_inplace", "is_instrumentation", "is_kind", "is_linear", "is_relu", "is_view",

@@ -11,6 +11,7 @@ whatever a built-in pass does::
 Groups:
 
 * writing a pass — ``Pass``, ``graph_pass``, ``node_pass``, ``PassResult``, ``PassManager``,
+  ``Options`` (the one rule for a pass's constructor options: flags, choices, numbers, iterables),
   ``PassContext`` (inputs, ``tensor_spec``, ``nodes``, ``insert_after`` / ``insert_before``,
   ``replace_with_module``, ``observe``), ``TensorSpec``, ``KNOWN_REQUIREMENTS`` for ``requires=``;
 * selecting nodes — ``Where``, ``matches``, ``outputs_of``;
@@ -42,6 +43,7 @@ from fxdebug.graph.meta import CLOCK, GUARD, INSTRUMENTATION, GraphRecord, NodeM
 from fxdebug.graph.module_outputs import outputs_of
 from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from fxdebug.graph.classify import get_attr, get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
+from fxdebug.authoring.options import Options
 from fxdebug.authoring.pipeline import Pass, PassManager, PassResult, graph_pass, node_pass
 from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
 from fxdebug.graph.select import Where, matches
@@ -66,6 +68,7 @@ __all__ = [
     "ORIGIN",
     "ObservationContext",
     "Observer",
+    "Options",
     "Pass",
     "PassContext",
     "PassManager",
