@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import threading
 import time
-import weakref
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -33,7 +32,8 @@ from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _pu
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.authoring.pipeline import Pass, PassManager
 from fxdebug.capture.live import _global_hook_count
-from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, backend, dynamo_config, live, prepare, quiet_warnings
+from fxdebug.capture.dynamo_backends import compiled, compiler_for, compiler_label, outer_compiler
+from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.capture.base import TraceOptions
 from fxdebug.errors import FxDebugError, TraceError, UsageError
@@ -41,7 +41,7 @@ from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
-from fxdebug.instrumented.live_parts import _Part, _part_over, _runner, _user_arguments
+from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_report import _global_calls, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows, channel_maxima
@@ -83,7 +83,7 @@ class LiveInstrumented(Instrumented):
 
     @classmethod
     def _live(cls, model: nn.Module, passes: Sequence[Pass], prior: Report | None = None,
-              notes: Sequence[str] = ()) -> "LiveInstrumented":
+              notes: Sequence[str] = (), backend: str = "eager") -> "LiveInstrumented":
         graph = Graph()
         graph.output(None)
         gm = cls(nn.Module(), graph, class_name=type(model).__name__)
@@ -105,7 +105,9 @@ class LiveInstrumented(Instrumented):
         state["_lock"] = threading.RLock()
         state["_calls"] = 0
         state["_globals"] = _global_hook_count()  # Dynamo does not guard global module hooks: checked per call
-        state["_compiled"] = torch.compile(_entry(model), backend=backend)
+        state["_backend"] = backend  # instrument(backend=): "eager", or "inductor" compiles the instrumented graphs
+        state["_compiled"] = _compiled_entry(model, compiler_for(backend))
+        state["_entries"] = []  # (an outer torch.compile's backend, the entry compiled for it)
         return gm
 
     def recompile(self) -> Any:
@@ -139,7 +141,7 @@ class LiveInstrumented(Instrumented):
                 # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
                 with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
                     try:
-                        out = self.__dict__["_compiled"](*args, **kwargs)
+                        out = self._entry_now()(*args, **kwargs)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
                         self._raise_typed(args, kwargs, exc)
                         raise
@@ -166,6 +168,20 @@ class LiveInstrumented(Instrumented):
         if len(self.__dict__["_parts"]) > captured:  # this call captured: say which optional arguments were None
             _note_none_arguments(self._model, args, kwargs, self.trace_info.notes)
         return out
+
+    def _entry_now(self) -> Any:
+        """The compiled entry for this call: the module's own, or one whose graphs the outer ``torch.compile``'s
+        backend compiles (``_call`` found it active), one per distinct backend."""
+        state = self.__dict__
+        outer = state.get("_outer")
+        if outer is None:
+            return state["_compiled"]
+        for compiler, entry in state["_entries"]:
+            if compiler is outer:
+                return entry
+        entry = _compiled_entry(self._model, outer)
+        state["_entries"].append((outer, entry))
+        return entry
 
     def _raise_typed(self, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> None:
         """An op failed on Dynamo's fake tensors while it captured again: the typed error for it, if one is found.
@@ -223,7 +239,7 @@ class LiveInstrumented(Instrumented):
             lifted.append(list(modes))
             try:
                 with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
-                    return self.__dict__["_compiled"](*args, **kwargs)
+                    return self._entry_now()(*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
                 self._raise_typed(args, kwargs, exc)
                 raise
@@ -278,7 +294,11 @@ class LiveInstrumented(Instrumented):
             top = graph_record(self)
             if not top.passes:  # the passes as they ran on the first graph
                 top.passes.extend(graph_record(part).passes)
-            found = parts[graph] = _Part(part, prepared.keep, _runner(part, len(args), prepared.keep))
+            run = _runner(part, len(args), prepared.keep)
+            if graph.compiler is not None:  # the instrumented graph compiled (Inductor), at its first call
+                run = compiled(run, graph.compiler)
+                info.notes.append(f"backend: {compiler_label(graph.compiler)} compiles this instrumented graph")
+            found = parts[graph] = _Part(part, prepared.keep, run)
             return found
 
     # -- what fxdebug knows -----------------------------------------------------------------------
@@ -336,6 +356,7 @@ class LiveInstrumented(Instrumented):
         notes.append(f"dynamo: {len(graphs)} graph(s) captured over {len(frames)} frame(s); "
                      f"{recompiles} recompile(s) (a guard failed: another mode, shape, keyword signature, "
                      "attribute value or hook)")
+        notes.append(_backend_note(graphs))
         seen: set[tuple[str, str]] = set()
         for g in graphs:
             if g.graph_break and (g.where, g.reason) not in seen:
@@ -442,7 +463,7 @@ class LiveInstrumented(Instrumented):
 
     def retrace(self) -> Instrumented:
         again = LiveInstrumented._live(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
-                                       self.trace_info.notes)
+                                       self.trace_info.notes, self.__dict__["_backend"])
         graph_record(again).passes.extend(graph_record(self).passes)  # what the passes did: the same passes
         return again
 
@@ -450,7 +471,7 @@ class LiveInstrumented(Instrumented):
         import copy
 
         twin = LiveInstrumented._live(copy.deepcopy(self._model, memo), self.__dict__["_passes"],
-                                      self.__dict__["_prior"], self.trace_info.notes)
+                                      self.__dict__["_prior"], self.trace_info.notes, self.__dict__["_backend"])
         graph_record(twin).passes.extend(graph_record(self).passes)
         return twin
 
@@ -466,6 +487,7 @@ class LiveInstrumented(Instrumented):
         notes = [n if n.startswith(_SAVED) else n.replace("dynamo: ", _SAVED, 1)
                  for n in self._summary_notes() if n not in self.trace_info.notes]
         state = {"saved": saved, "calls": self.__dict__["_calls"], "namer": self.__dict__["_namer"], "notes": notes,
+                 "backend": self.__dict__["_backend"],
                  # what each pass did (names and counts; not the graph it did it to, which stays in this process)
                  "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
         return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes), state))
@@ -481,37 +503,43 @@ _OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_b
 def _call(self: LiveInstrumented, *args: Any, **kwargs: Any) -> Any:
     """``dbg(...)``: the live call; through ``nn.Module``'s call when hooks were registered on the live module itself
     (``fully_shard(dbg)`` gathers the parameters in its pre-forward hook; a user's hook on ``dbg``). The model's own
-    hooks run inside the live call, as the model's."""
+    hooks run inside the live call, as the model's.
+
+    Under an outer ``torch.compile(dbg)`` this frame is skipped, not traced (``_skip``): it runs with the outer
+    eval-frame callback still set. The callback is switched off here (fxdebug's own Python is never compiled) and
+    its backend, the user's (Inductor with their ``mode=`` / ``options=``), compiles the instrumented graphs."""
+    prior = _set_eval_frame(None)
     state = self.__dict__
-    if any(state.get(name) for name in _OWN_HOOKS):
-        return nn.Module._call_impl(self, *args, **kwargs)
-    return _LIVE_CALL(self, *args, **kwargs)
+    saved, state["_outer"] = state.get("_outer"), (outer_compiler(prior) if prior else None)
+    try:
+        if any(state.get(name) for name in _OWN_HOOKS):
+            return nn.Module._call_impl(self, *args, **kwargs)
+        return LiveInstrumented._live_call(self, *args, **kwargs)
+    finally:
+        state["_outer"] = saved
+        _set_eval_frame(prior)
 
 
-def _entry(model: nn.Module) -> Any:
-    """``model(...)`` behind a code object of its own.
-
-    Dynamo keeps its compiled entries on the code object of the frame it compiles, with a recompile limit per code
-    object. ``torch.compile(module)`` enters through one wrapper function shared by every compiled module of the
-    process (``external_utils.wrap_inline``'s ``inner``): after some tens of live modules (a notebook, a test
-    session) the limit was hit and every new one ran eagerly, unobserved. A fresh copy of this trampoline's code
-    per model class keeps a class's entries, and its limit, to that class (instances of one class still share
-    Dynamo's cache: a second model of a class already captured costs only fxdebug's part).
-    """
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return model(*args, **kwargs)
-
-    # a new code object (same bytecode) per model class: Dynamo's cache is per code object
-    call.__code__ = _ENTRY_CODES.setdefault(type(model), call.__code__.replace())
-    return call
+_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
+_skip: Any = getattr(torch._dynamo.decorators, "skip", None) or torch._dynamo.disable  # (not traced, not disabled)
+_call = _skip(_call)
 
 
-_ENTRY_CODES: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
+
+
+def _backend_note(graphs: list[DynamoGraph]) -> str:
+    """Which backend ran the instrumented graphs (``Report.notes``)."""
+    labels = [compiler_label(g.compiler) for g in graphs if g.compiler is not None]
+    if not labels:
+        return "backend: eager: the instrumented graphs ran as captured, not compiled"
+    kinds = ", ".join(dict.fromkeys(labels))
+    return (f"backend: {kinds} compiled {len(labels)} of {len(graphs)} instrumented graph(s)"
+            + ("" if len(labels) == len(graphs) else "; the others ran eagerly"))
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
                state: dict[str, Any] | None = None) -> LiveInstrumented:
-    gm = LiveInstrumented._live(model, passes, None, notes)
+    gm = LiveInstrumented._live(model, passes, None, notes, (state or {}).get("backend", "eager"))
     if state:  # what the saved module had observed (see ``LiveInstrumented.__reduce__``)
         gm.__dict__.update(_saved=list(state["saved"]), _calls=int(state["calls"]), _namer=state["namer"],
                            _saved_notes=list(state["notes"]))

@@ -1,0 +1,104 @@
+"""Issue 35, the live module's part: observation survives an exception (B1), transforms survive
+``to_module()`` (B4), a fused module exports (B14), and the headline of a failure names the op that failed (B15).
+
+Each test defines its own model class: Dynamo's cache (and, before B1's fix, its "skip this code") is per class.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import fxdebug
+from fxdebug.errors import NonFiniteError
+from fxdebug.passes import NaNCheck, StatCollector
+
+
+def _calls(dbg, node):
+    return {r["node"]: r.get("calls") for r in dbg.report().rows}[node]
+
+
+# -- B1: one exception does not stop observation -----------------------------------------------------------
+class RaisesOnThree(nn.Module):
+    """A model whose own forward raises for one batch size (a user's validation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] == 3:
+            raise ValueError("no batches of 3")
+        return torch.log(self.fc(x))
+
+
+def test_the_same_module_observes_after_the_models_own_exception():
+    dbg = fxdebug.instrument(RaisesOnThree(), [NaNCheck(mode="record"), StatCollector()])
+    dbg(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="no batches of 3"):
+        dbg(torch.randn(3, 4))
+    dbg(torch.randn(2, 4))
+    dbg(torch.randn(5, 4))  # a new shape after the exception is captured and observed too
+    assert _calls(dbg, "fc") == 3
+    assert _calls(dbg, "log") == 3
+
+
+class OneOfTwo(nn.Module):
+    """Hugging Face's argument check: ``input_ids`` or ``inputs_embeds``, not both."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 4)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
+        h = self.emb(input_ids) if inputs_embeds is None else inputs_embeds
+        return torch.log(self.fc(h))
+
+
+def test_the_same_module_observes_after_a_wrong_argument():
+    model = OneOfTwo()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.fill_(1.0)  # log(1): finite
+    dbg = fxdebug.instrument(model, [NaNCheck(mode="raise")])
+    ids = torch.tensor([[1, 2, 3]])
+    dbg(input_ids=ids)
+    with pytest.raises(ValueError, match="exactly one"):
+        dbg(input_ids=ids, inputs_embeds=torch.randn(1, 3, 4))
+    with torch.no_grad():
+        model.fc.bias.fill_(-1.0)  # log(-1): NaN
+    with pytest.raises(NonFiniteError):  # the raise-mode check still runs: NaN does not pass
+        dbg(input_ids=ids)
+
+
+class RaisesOnOdd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.shape[0] % 2:
+            raise ValueError("even batches only")
+        return torch.log(self.fc(x))
+
+
+def test_a_new_instrument_of_the_class_observes_after_an_exception():
+    first = fxdebug.instrument(RaisesOnOdd(), [NaNCheck(mode="record")])
+    first(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="even batches only"):
+        first(torch.randn(3, 4))
+    model = RaisesOnOdd()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.fill_(-1.0)  # log(-1): NaN
+    fresh = fxdebug.instrument(model, [NaNCheck(mode="raise")])
+    with pytest.raises(NonFiniteError):
+        fresh(torch.randn(2, 4))
+    counted = fxdebug.instrument(RaisesOnOdd(), [StatCollector()])
+    counted(torch.randn(2, 4))
+    counted(torch.randn(4, 4))
+    assert _calls(counted, "fc") == 2
