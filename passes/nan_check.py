@@ -170,6 +170,7 @@ class RaisingProbe(Probe):
         self.where = fxdebug.source_line(node)
         self.users = [u.name for u in node.users if not fxdebug.is_instrumentation(u) and u.op != "output"]
         self.input_names = inputs
+        self.is_input = node.op == "placeholder"  # a graph input: the value came in already non-finite
         self.owner = module  # the node's module (not registered as a child): its weights may be the culprit
         # parameters read as inputs (a Dynamo or export graph calls torch.linear with the weights as get_attr
         # nodes, not a Linear module): {input name: parameter path}, blamed like the owner's parameters
@@ -223,6 +224,11 @@ class RaisingProbe(Probe):
         params = self.owner.named_parameters() if self.owner is not None else ()
         bad_params += [f"{self.module}.{n}" for n, p in params if p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
         inputs = "; ".join(parts) if parts else "no floating-point tensor inputs"
+        if getattr(self, "is_input", False):  # a probe pickled before it existed is not an input's
+            return (f"NaNCheck: {self.describe}, an input of the model's graph, holds {counts} in forward call "
+                    f"{ctx.call}: the value already carried NaN/Inf when it came in, so no op of the model made it. "
+                    "Check the data, not the model: the batch and its preprocessing (a division by a zero std, log "
+                    f"of 0, a corrupt sample); NaNCheck(samples=True) names the rows.{at}")
         if bad_params:
             cause = f"Its parameter(s) {', '.join(bad_params)} are not finite: the weights went bad (learning rate, a bad checkpoint)."
         elif all_finite:

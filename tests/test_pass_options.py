@@ -184,3 +184,12 @@ def test_a_users_pass_gets_the_same_rule():
     assert Mine(verbose=1).verbose is True
     with pytest.raises(fxdebug.ArgumentTypeError, match=r"Mine\(verbose='off'\): verbose is a flag"):
         Mine(verbose="off")
+
+
+def test_the_rule_as_docs_observe_md_states_it_runs():
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "observe.md"
+    block = next(b for b in re.findall(r"```python\n(.*?)```", doc.read_text(), re.S) if "backward=\"no\"" in b)
+    exec(compile(block, str(doc), "exec"), {"fxdebug": fxdebug, "NaNCheck": P.NaNCheck, "StatCollector": P.StatCollector})

@@ -6,7 +6,9 @@ threshold) and a suggested fix. Kinds, in the order they are listed:
 ==========================  ==================================================================
 ``CheckFailed``             a batch failed a check (shape, device, raise-mode NaN) in ``collect``
 ``NonFiniteOrigin``         the first node that turned finite inputs into NaN/Inf (forward), or
-                            where a non-finite gradient entered (backward)
+                            where a non-finite gradient entered (backward); when that first node
+                            is a graph input (a placeholder) the data already carried it, and the
+                            finding says to check the batch
 *declared kinds*            a probe column declared with a ``FindingRule`` (``Column(finding=)``)
                             whose value reaches its threshold — ``StatCollector``'s dead fraction
                             gives ``dead_activations`` (threshold keyword ``dead=``)
@@ -253,6 +255,15 @@ _OP_FIX = {
 }
 
 
+# the origin is a graph input (a placeholder): no op of the model made the NaN/Inf, it came in with the call
+_INPUT_CARRIED = "is an input of the model's graph and already carried NaN/Inf when it came in (no op made it)"
+_DATA_FIX = ("check the data, not the model: the batch itself holds NaN/Inf (torch.isfinite(batch).all()). Look at the "
+             "data pipeline and its preprocessing (a division by a zero std, log of 0, a corrupt sample); "
+             "NaNCheck(samples=True) names the rows (report().origin_samples); fxdebug.guard skips such steps.")
+_BETWEEN_PARTS = (" This graph is one part of the model: the value may also come from the code that ran before it, "
+                  "outside the capture (see report().notes).")
+
+
 def _op_fix(row: dict[str, Any], phase: str, via: bool = True) -> str:
     op = str(row.get("op") or "").lower()
     for key, fix in _OP_FIX.items():
@@ -296,17 +307,20 @@ def _nonfinite_findings(report: Any, gm: Any = None) -> list[Finding]:
         first = min(firsts) if firsts else None
         via = list(getattr(report, "nonfinite_grad_from", []) or []) if phase == "backward" else []
         bad_params = list(getattr(report, "nonfinite_params", None) or []) if phase == "forward" else []
+        data = phase == "forward" and not bad_params and row.get("op") == "placeholder"  # a graph input: it came in so
         text = (f"NaN/Inf origin (forward): {_where(row)} " + (
                     f"made NaN/Inf from its non-finite parameter(s) {', '.join(bad_params)} (the weights went bad)"
-                    if bad_params else "turned finite inputs into NaN/Inf")
+                    if bad_params else _INPUT_CARRIED if data else "turned finite inputs into NaN/Inf")
                 if phase == "forward" else
                 f"NaN/Inf origin (backward): a non-finite gradient entered at {_where(row)}"
                 + (f", from the backward of {', '.join(via)}" if via else ""))
         if first is not None:
             text += f", first in call {int(first)}"
-        if phase == "forward" and not bad_params:
+        if phase == "forward" and not bad_params and not data:
             text += _input_mins(gm, name, report)
         fix = _op_fix(report.row(via[0]) if via and _has(report, via[0]) else row, phase, bool(via))
+        if data:
+            fix = _DATA_FIX + (_BETWEEN_PARTS if "/" in name else "")
         if bad_params:
             fix = ("the weights were already NaN/Inf before this call: an earlier optimizer step or a loaded checkpoint "
                    "made them so. Lower the learning rate or clip gradients, skip non-finite steps (fxdebug.guard), "

@@ -7,7 +7,8 @@ summarised). Which key means what comes from the probes' column declarations (``
 columns with the ``ORIGIN`` role:
 
 * forward: the first node, in execution order, among those that saw non-finite values in the
-  earliest call that saw any — its inputs were finite, so it is where the values went bad;
+  earliest call that saw any — its inputs were finite, so it is where the values went bad (a
+  graph input, a placeholder, when the data itself carried NaN/Inf: the findings say so);
 * backward: gradients flow in reverse, so among the nodes whose output gradient went non-finite
   in the earliest such call, the *last* in graph order is where the bad gradient entered:
   ``first_nonfinite_grad`` names it. The op whose backward computed that gradient is one of its
