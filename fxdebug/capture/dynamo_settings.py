@@ -27,12 +27,15 @@ class dynamo_config:  # noqa: N801 - used as a context manager, like torch's con
     every live module of one class shares that class's ``forward`` cache (a debugging session
     switches modes, keyword signatures and shapes more than a production loop); ``allow_rnn``, so
     that ``nn.LSTM``/``nn.GRU`` are captured (by default Dynamo runs an RNN module's frame eagerly:
-    no graph, no rows). The same as
+    no graph, no rows); ``use_numpy_random_stream``, so that ``np.random`` draws in a forward come from
+    numpy's own stream, eagerly at a graph break (by default Dynamo traces them into torch's generator:
+    other masks than the model's, wav2vec2's SpecAugment among them, and numpy's stream left unadvanced).
+    The same as
     ``torch._dynamo.config.patch(...)`` but without building a patch object per call (~20 µs).
     """
 
     SETTINGS = {"skip_nnmodule_hook_guards": False, "allow_rnn": True, "recompile_limit": 256,
-                "accumulated_recompile_limit": 4096}
+                "accumulated_recompile_limit": 4096, "use_numpy_random_stream": True}
     # a module's first call (instrument()'s capture): static shapes without automatic-dynamic bookkeeping, about
     # a third less of Dynamo's tracing time on small models; a later shape change still makes dims dynamic (one
     # static recompile first, since this capture recorded no sizes)

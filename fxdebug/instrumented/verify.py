@@ -31,6 +31,7 @@ from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import fx_meta
 from fxdebug.graph.module_state import restore_containers, restore_random_state, saved_containers, saved_random_state
 from fxdebug.instrumented.modes import NAMESPACE, recipe
+from fxdebug.instrumented.verify_values import snapshot
 
 __all__ = ["Verification", "verify"]
 
@@ -220,14 +221,15 @@ def _loss(out: Any) -> Tensor | None:
     return sum(terms) if terms else None  # type: ignore[return-value]
 
 
-def _run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+def _run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+         input_grads: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """One forward and backward; the output and the gradient of every floating-point input."""
     leaves: list[Tensor] = []
 
     def fed(v: Any) -> Any:
         if not isinstance(v, Tensor):
             return v
-        if not v.is_floating_point() or not torch.is_grad_enabled():
+        if not input_grads or not v.is_floating_point() or not torch.is_grad_enabled():
             return v.clone()
         leaf = v.detach().clone().requires_grad_(True)
         leaves.append(leaf)
@@ -237,7 +239,7 @@ def _run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tu
     loss = _loss(out)
     if loss is not None:
         loss.backward()
-    snap = pytree.tree_map(lambda v: v.detach().clone() if isinstance(v, Tensor) else v, out)
+    snap = snapshot(out)  # every tensor the output holds, a key/value cache object's too
     input_grads = {f"input {i}": None if t.grad is None else t.grad.clone() for i, t in enumerate(leaves)}
     return snap, input_grads, {}
 
@@ -249,7 +251,15 @@ def _equal(a: Any, b: Any, rtol: float, atol: float) -> bool:
         if rtol == 0 and atol == 0:
             return bool(torch.equal(a, b))
         return bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
-    return type(a) is type(b) and a == b
+    if type(a) is not type(b):
+        return False
+    if a is b:
+        return True
+    try:
+        same = a == b
+        return bool(same) if isinstance(same, bool) else bool(same.all())  # numpy arrays compare elementwise
+    except Exception:  # not comparable as values: only the same object counts as equal
+        return False
 
 
 def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", "eval"), seed: int = 0,
@@ -277,13 +287,23 @@ def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", 
                  for m in modules}
         params = list({id(p): p for r in (model, dbg) for p in r.parameters()}.values())
         streams = saved_random_state(model)
+        with_input_grads = True
         for mode in modes:
             training = mode == "train"
             model.train(training)  # on the model, as a training loop does: the instrumented module must follow
             runs = []
             for module in (model, dbg):
                 _reset(model, start, params, seed, streams)
-                out, input_grads, _ = _run(module, args, kwargs)
+                try:
+                    out, input_grads, _ = _run(module, args, kwargs, input_grads=with_input_grads)
+                except Exception:
+                    if module is not model or not with_input_grads:
+                        raise
+                    # The model's own forward refuses inputs that need a gradient (wav2vec2's feature
+                    # encoder sets ``requires_grad`` on its input in training): compare without them.
+                    with_input_grads = False
+                    _reset(model, start, params, seed, streams)
+                    out, input_grads, _ = _run(module, args, kwargs, input_grads=False)
                 grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
                 grads.update(input_grads)
                 bufs = {k: b.detach().clone() for k, b in model.named_buffers()}
@@ -293,7 +313,7 @@ def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", 
             if len(result.mismatches) > before and result.first_node is None:
                 _reset(model, start, params, seed, streams)
                 forward_differs = any(m.startswith(f"{mode}: output") for m in result.mismatches[before:])
-                _locate(dbg, model, args, kwargs, seed, forward_differs, result, start, params)
+                _locate(dbg, model, args, kwargs, seed, forward_differs, result, start, params, streams)
     result.ok = not result.mismatches
     return result
 
@@ -302,11 +322,11 @@ def _compare(ref: tuple[Any, ...], got: tuple[Any, ...], mode: str, result: Veri
              atol: float) -> None:
     out_ref, grads_ref, bufs_ref = ref
     out, grads, bufs = got
-    la, sa = pytree.tree_flatten(out_ref)
-    lb, sb = pytree.tree_flatten(out)
-    if len(la) != len(lb):
-        result.mismatches.append(f"{mode}: output structure differs ({sa} vs {sb})")
-    for i, (a, b) in enumerate(zip(la, lb)):
+    paths_ref, paths = [p for p, _ in out_ref], [p for p, _ in out]
+    if paths_ref != paths:
+        only = sorted(set(paths_ref) ^ set(paths))[:3]
+        result.mismatches.append(f"{mode}: output structure differs (only in one run: {', '.join(only) or 'order'})")
+    for (i, a), (_, b) in zip(out_ref, out):
         result.compared += 1
         if not _equal(a, b, rtol, atol):
             result.mismatches.append(f"{mode}: output {i} differs{_by(a, b)}")
@@ -332,13 +352,14 @@ def _by(a: Any, b: Any) -> str:
 
 # -- where the runs part -----------------------------------------------------------------------------
 def _locate(dbg: Any, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], seed: int,
-            forward: bool, result: Verification, start: Any, params: list[nn.Parameter]) -> None:
+            forward: bool, result: Verification, start: Any, params: list[nn.Parameter],
+            streams: list[tuple[Any, Any]]) -> None:
     """Name the first node where graph and model part (best effort: module outputs are compared)."""
     part: Any = dbg.parts().get("") if isinstance(dbg, Instrumented) else dbg
     if part is None or not hasattr(part, "graph"):
         return
     eager = _module_outputs(model, args, kwargs, seed)
-    _reset(model, start, params, seed)
+    _reset(model, start, params, seed, streams)  # the graph draws what the model drew (numpy, Python too)
     values = _node_values(part, args, kwargs, seed)
     if values is None:
         return
