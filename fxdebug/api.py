@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 from fxdebug.report.distributed import unwrap_parallel
 from fxdebug.errors import ArgumentTypeError, FxDebugError, TraceError, UsageError
 from fxdebug.capture.base import TraceOptions
+from fxdebug.capture.dynamo_backends import check_backend
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
@@ -46,7 +47,7 @@ AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO", "dynamo") != "snapshot"
 # guarded snapshot instead, noted; frontend="dynamo" still captures any model live
 LIVE_MODULE_LIMIT = 1000
 # instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
-_INSTRUMENT_OWN = ("prior_report", "verify")
+_INSTRUMENT_OWN = ("prior_report", "verify", "backend")
 
 
 def _check_model(model: Any, fn: str) -> nn.Module:
@@ -159,13 +160,18 @@ def instrument(
     pass_list = validate_passes(passes)
     prior = trace_options.pop("prior_report", None)
     check = trace_options.pop("verify", False)
+    backend = check_backend(trace_options.pop("backend", "eager"))
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
     static_why = (_static_reason(model, pass_list, trace_options)
                   if AUTO_IS_LIVE and trace_options.get("frontend", "auto") == "auto" else None)
     if trace_options.get("frontend") == "dynamo" or static_why == "":
-        return _instrument_live(model, pass_list, example_inputs, prior, check, start)
+        return _instrument_live(model, pass_list, example_inputs, prior, check, start, backend)
+    if backend != "eager":
+        raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
+                         f"captured by a snapshot frontend ({static_why or trace_options.get('frontend')}): "
+                         "torch.compile(dbg) compiles a snapshot module, or use frontend='dynamo'.")
     gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
     if static_why:
         gm.trace_info.notes.insert(0, static_why)
@@ -205,7 +211,7 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
 
 
 def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
-                     check: bool, start: float) -> Instrumented:
+                     check: bool, start: float, backend: str = "eager") -> Instrumented:
     """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
     model, unwrapped = unwrap_parallel(model)
     notes = [unwrapped] if unwrapped else []
@@ -226,7 +232,7 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
         raise TraceError(f"{type(model).__name__} has lazy module(s) not yet run ({', '.join(lazy[:5])}): capturing would "
                          "materialize their parameters, changing the model. Run the model once first, then instrument it.",
                          module=lazy[0], op="lazy module")
-    gm = LiveInstrumented._live(model, passes, prior, notes)
+    gm = LiveInstrumented._live(model, passes, prior, notes, backend)
     gm.__dict__["_example_inputs"] = example_inputs  # what gradcheck() and friends default to, as for a snapshot
     inputs = normalize_inputs(example_inputs)
     if inputs is not None:

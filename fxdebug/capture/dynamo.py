@@ -54,6 +54,7 @@ class DynamoGraph:
     where: str = ""  # the user's line where the graph ended
     code: str = ""  # the frame's code (file, function, first line): the same in every recompile of it
     sources: list[str] = field(default_factory=list)  # each placeholder's source (``L['self']._modules['fc1']...``)
+    compiler: Any = None  # what compiles the instrumented copy (``capture.dynamo_backends``); None: it runs eagerly
 
     @property
     def key(self) -> str:

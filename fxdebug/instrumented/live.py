@@ -297,7 +297,6 @@ class LiveInstrumented(Instrumented):
             run = _runner(part, len(args), prepared.keep)
             if graph.compiler is not None:  # the instrumented graph compiled (Inductor), at its first call
                 run = compiled(run, graph.compiler)
-                info.notes.append(f"backend: {compiler_label(graph.compiler)} compiles this instrumented graph")
             found = parts[graph] = _Part(part, prepared.keep, run)
             return found
 
@@ -356,7 +355,7 @@ class LiveInstrumented(Instrumented):
         notes.append(f"dynamo: {len(graphs)} graph(s) captured over {len(frames)} frame(s); "
                      f"{recompiles} recompile(s) (a guard failed: another mode, shape, keyword signature, "
                      "attribute value or hook)")
-        notes.append(_backend_note(graphs))
+        notes.append(_backend_note(self.__dict__["_parts"]))
         seen: set[tuple[str, str]] = set()
         for g in graphs:
             if g.graph_break and (g.where, g.reason) not in seen:
@@ -527,14 +526,15 @@ _call = _skip(_call)
 
 
 
-def _backend_note(graphs: list[DynamoGraph]) -> str:
-    """Which backend ran the instrumented graphs (``Report.notes``)."""
-    labels = [compiler_label(g.compiler) for g in graphs if g.compiler is not None]
+def _backend_note(parts: dict[DynamoGraph, _Part]) -> str:
+    """Which backend ran the instrumented graphs since the last ``reset()`` (``Report.notes``)."""
+    ran = [g for g, p in parts.items() if p.calls] or list(parts)
+    labels = [compiler_label(g.compiler) for g in ran if g.compiler is not None]
     if not labels:
         return "backend: eager: the instrumented graphs ran as captured, not compiled"
     kinds = ", ".join(dict.fromkeys(labels))
-    return (f"backend: {kinds} compiled {len(labels)} of {len(graphs)} instrumented graph(s)"
-            + ("" if len(labels) == len(graphs) else "; the others ran eagerly"))
+    return (f"backend: {kinds} compiled the instrumented graphs ({len(labels)} of {len(ran)} that ran)"
+            + ("" if len(labels) == len(ran) else "; the others ran eagerly"))
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+import weakref
 from typing import Any
 
 import torch
@@ -12,6 +13,8 @@ from torch.fx import Graph, GraphModule, Node
 
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.capture.dynamo import Prepared
+from fxdebug.capture.dynamo_backends import composite
+from fxdebug.capture.dynamo_recover import observing_after_errors
 from fxdebug.graph.meta import KEY
 from fxdebug.instrumented.module import Instrumented
 
@@ -109,3 +112,31 @@ def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
     part._non_persistent_buffers_set = model._non_persistent_buffers_set
     part.__dict__[NAMESPACE] = space
     return part
+
+
+def _entry(model: nn.Module) -> Any:
+    """``model(...)`` behind a code object of its own.
+
+    Dynamo keeps its compiled entries on the code object of the frame it compiles, with a recompile limit per code
+    object. ``torch.compile(module)`` enters through one wrapper function shared by every compiled module of the
+    process (``external_utils.wrap_inline``'s ``inner``): after some tens of live modules (a notebook, a test
+    session) the limit was hit and every new one ran eagerly, unobserved. A fresh copy of this trampoline's code
+    per model class keeps a class's entries, and its limit, to that class (instances of one class still share
+    Dynamo's cache: a second model of a class already captured costs only fxdebug's part).
+    """
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
+
+    # a new code object (same bytecode) per model class: Dynamo's cache is per code object
+    call.__code__ = _ENTRY_CODES.setdefault(type(model), call.__code__.replace())
+    return call
+
+
+_ENTRY_CODES: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
+
+
+def _compiled_entry(model: nn.Module, compiler: Any = None) -> Any:
+    """``torch.compile`` of the model's entry with fxdebug's backend for ``compiler`` (``None``: the graphs run
+    eagerly); a failed call leaves none of its codes skipped by Dynamo for good (issue 35 B1)."""
+    entry = _entry(model)
+    return observing_after_errors(torch.compile(entry, backend=composite(compiler)), entry)

@@ -1,0 +1,115 @@
+"""What runs a live capture's instrumented graphs: eagerly (the debugging default) or a compiler (Inductor).
+
+Dynamo hands each graph to fxdebug's backend (``capture.dynamo.backend``), which instruments it for
+the live module now calling and, by default, runs it eagerly. With a compiler, the instrumented
+graph is compiled by it instead: ``instrument(..., backend="inductor")``, or the user's own backend
+when an outer ``torch.compile(dbg, mode=..., options=...)`` runs the live module.
+
+* ``check_backend`` — the ``backend=`` value of ``instrument()``: ``"eager"`` or ``"inductor"``.
+* ``composite`` — the Dynamo backend for a compiler: fxdebug's backend, whose graphs carry that
+  compiler. Dynamo keeps its cache per code object and tells backends apart by identity, so there
+  is one composite per compiler (``==``: two ``torch.compile(dbg)`` with the same mode and options
+  share one), not one per call.
+* ``outer_compiler`` — the backend of the ``torch.compile`` whose frame is calling now, read from
+  the eval-frame callback the caller switched off (``torch._C._dynamo.eval_frame.set_eval_frame``):
+  the live module's call is a skipped frame for an outer compile (it is run, not traced, with the
+  outer callback still set), so its inner capture can compile with the outer backend.
+* ``compiled`` — an instrumented graph's code compiled by a compiler (``torch.compile`` of it with
+  that backend: the observation ops have fake implementations, the state table's in-place update is
+  functionalised and written back, Inductor's own guards cover its inputs).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+from fxdebug.capture.dynamo import backend
+from fxdebug.errors import UsageError
+
+__all__ = ["BACKENDS", "check_backend", "compiled", "compiler_for", "compiler_label", "composite", "outer_compiler"]
+
+BACKENDS = ("eager", "inductor")
+_LOCK = threading.Lock()
+_COMPOSITES: list[tuple[Any, "Composite"]] = []  # (compiler, its composite backend), one per distinct compiler
+
+
+def check_backend(name: Any) -> str:
+    """``name`` if it is a backend ``instrument()`` knows, else a ``UsageError`` naming the choices."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise UsageError(f"backend={name!r} is not one of {', '.join(map(repr, BACKENDS))}: 'eager' runs the instrumented "
+                         "graphs as captured (the debugging default), 'inductor' compiles them with TorchInductor; an "
+                         "outer torch.compile(dbg, mode=..., options=...) compiles them with its own backend.")
+    return name
+
+
+def compiler_for(name: str) -> Any:
+    """The compiler for ``instrument(backend=name)``: ``None`` for eager, else Dynamo's registered backend."""
+    return None if name == "eager" else torch._dynamo.lookup_backend(name)
+
+
+class Composite:
+    """fxdebug's backend with ``compiler`` for the instrumented graphs (one object per compiler)."""
+
+    def __init__(self, compiler: Any) -> None:
+        self.compiler = compiler
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        run = backend(gm, example_inputs)
+        run.fxdebug_graph.compiler = self.compiler  # type: ignore[attr-defined]
+        return run
+
+
+def composite(compiler: Any) -> Callable[..., Any]:
+    """The Dynamo backend for ``compiler`` (``None``: fxdebug's own, eager)."""
+    if compiler is None:
+        return backend
+    with _LOCK:
+        for have, found in _COMPOSITES:
+            if have is compiler or _same(have, compiler):
+                return found
+        made = Composite(compiler)
+        _COMPOSITES.append((compiler, made))
+        return made
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) and type(a) is type(b)
+    except Exception:
+        return False
+
+
+def _innermost(callback: Any) -> Any:
+    while hasattr(callback, "_torchdynamo_orig_backend"):
+        callback = callback._torchdynamo_orig_backend
+    return callback
+
+
+def outer_compiler(callback: Any) -> Any:
+    """The user's backend of the eval-frame ``callback`` that was active (``None``: no outer compile, a
+    run-only or disabled frame, fxdebug's own capture, or an eager backend)."""
+    if callback is None or callback is False:
+        return None
+    found = _innermost(callback)
+    if found is backend or isinstance(found, Composite):  # a live module called from fxdebug's own capture
+        return None
+    if getattr(found, "__name__", None) == "eager" or getattr(found, "compiler_name", None) == "eager":
+        return None  # torch.compile(dbg, backend="eager"): the graphs run as captured, as without a compile
+    return found
+
+
+def compiler_label(compiler: Any) -> str:
+    """How the notes name a compiler: ``inductor``, with the options an outer ``torch.compile`` gave it."""
+    name = getattr(compiler, "compiler_name", None) or getattr(compiler, "__name__", None) or type(compiler).__name__
+    config = getattr(compiler, "config", None)
+    if isinstance(config, dict) and config:
+        return f"{name} ({', '.join(f'{k}={v!r}' for k, v in sorted(config.items()))})"
+    return str(name)
+
+
+def compiled(fn: Callable[..., Any], compiler: Any) -> Callable[..., Any]:
+    """``fn`` (an instrumented graph's forward) compiled by ``compiler`` at its first call."""
+    return torch.compile(fn, backend=compiler, dynamic=getattr(compiler, "dynamic", None))
