@@ -102,3 +102,67 @@ def test_a_new_instrument_of_the_class_observes_after_an_exception():
     counted(torch.randn(2, 4))
     counted(torch.randn(4, 4))
     assert _calls(counted, "fc") == 2
+
+
+# -- B4: transforms survive to_module() -----------------------------------------------------------------------
+class DeadFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.act1 = nn.ReLU()
+        self.fc2 = nn.Linear(16, 16)
+        self.act2 = nn.ReLU()
+        self.out = nn.Linear(16, 2)
+        with torch.no_grad():
+            self.fc1.bias.fill_(-3.0)  # act1 is dead for the inputs below
+
+    def forward(self, x):
+        return self.out(self.act2(self.fc2(self.act1(self.fc1(x)))))
+
+
+def test_to_module_of_a_live_swap_keeps_the_swap():
+    from fxdebug.passes import SwapActivation
+
+    model, x = DeadFirst(), torch.randn(4, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+    dbg(x)
+    fixed = fxdebug.instrument(dbg, [SwapActivation(only_dead=0.5)], example_inputs=(x,))  # the demo's fix route
+    assert fixed.trace_info.frontend == "dynamo"
+    plain = fixed.to_module()
+    with torch.no_grad():
+        want, got, original = fixed(x), plain(x), model(x)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, original)  # the swap matters here: the dead ReLU passes a slope now
+    assert isinstance(plain.get_submodule("act1"), nn.LeakyReLU)
+    assert not any("fxdebug" in k for k in plain.state_dict())
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_to_module_of_live_prune_masks_keeps_the_masks_it_computes_with():
+    from fxdebug.passes import PruneMasks
+
+    model, x = TwoLayers(), torch.randn(4, 8)
+    fixed = fxdebug.instrument(model, [PruneMasks(amount=0.5)], example_inputs=(x,), frontend="dynamo")
+    with torch.no_grad():
+        fixed(x)
+        # the weights move after the masks were chosen (training): the ranking turns over, the masks stay
+        for layer in (model.fc1, model.fc2):
+            w = layer.weight
+            w.copy_(w.sign() * (w.abs().max() - w.abs() + 1e-3))
+        want, original = fixed(x), model(x)
+    plain = fixed.to_module()
+    with torch.no_grad():
+        got = plain(x)
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, original)
+    weight = dict(plain.named_parameters())["fc1.weight"]
+    assert 0.4 < float((weight == 0).float().mean()) < 0.6

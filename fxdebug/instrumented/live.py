@@ -35,7 +35,6 @@ from fxdebug.capture.live import _global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, compiler_label, outer_compiler
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.symbolic import TraceInfo
-from fxdebug.capture.base import TraceOptions
 from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
@@ -422,25 +421,13 @@ class LiveInstrumented(Instrumented):
         """Shapes are learnt from the arguments of each graph's first call."""
 
     def to_module(self, shrink: bool = False) -> nn.Module:
-        """A plain ``GraphModule`` of the model as it is now: a live capture is graphs around eager code, so this is
-        one snapshot graph (symbolic tracing, else ``torch.export`` on the example inputs ``instrument()`` was given).
-        The live passes are observe-only: the plain module has none of them, as ``to_module()`` of any capture."""
-        from fxdebug.instrumented.pipeline import capture_module
+        """A plain ``GraphModule`` of the model as it is now, with this module's transforms (issue 35 B4): a snapshot
+        (symbolic tracing, else ``torch.export`` on the example inputs) that the transform passes run over, carrying
+        the live graphs' masks and derived layers (``fxdebug.instrumented.live_export``)."""
+        from fxdebug.instrumented.live_export import live_to_module
 
-        inputs = normalize_inputs(self.__dict__.get("_example_inputs"))
-        why = []
-        for frontend in ("symbolic", "export"):
-            if frontend == "export" and inputs is None:
-                why.append("export needs the example inputs, and instrument() was given none")
-                break
-            try:
-                snapshot = capture_module(frontend, self._model, inputs, TraceOptions())
-            except TraceError as exc:
-                why.append(f"{frontend}: {exc.message}")
-                continue
-            return snapshot.to_module(shrink=shrink)
-        raise UsageError("to_module() makes one plain GraphModule, a snapshot of the model, and none could be captured ("
-                         + "; ".join(why) + "). A live (Dynamo) capture is graphs around eager code, not one module.")
+        return live_to_module(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
+                              self.__dict__.get("_example_inputs"), self.parts().values(), shrink)
 
     def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
         """Draw the largest captured graph, annotated with the report over every capture."""

@@ -1,0 +1,143 @@
+"""``to_module()`` of a live (Dynamo) module: one plain module that computes what the live module computes.
+
+A live capture is graphs around eager code, not one module, so ``to_module()`` captures a snapshot
+of the model as it is now (symbolic tracing, else ``torch.export`` on the example inputs given to
+``instrument()``). Its transforms are not left behind (issue 35 B4: ``fixed =
+fxdebug.instrument(dbg, [SwapActivation(only_dead=0.5)])`` exported the unfixed model): the live
+module's transform passes run over the snapshot, with the prior report they ran with (the dead
+fractions ``only_dead`` reads), and the state those transforms made on the live graphs is carried
+over to the snapshot's, so the exported module computes with what the live one computes with:
+
+* pruning masks (``Masked`` / ``MaskedValue``, whichever the live graph and the snapshot hold) are
+  the live ones, matched by layer path and parameter name: re-ranking weights that training moved
+  since would choose other entries;
+* any other module a transform added (a fused conv, a baked pruned layer) takes the parameters and
+  buffers of the live module added under the same name, when type and shapes agree (they train
+  with the live module and drift from the model's own).
+
+Observe-only passes leave nothing in a plain module, as ``to_module()`` of any capture.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from fxdebug.authoring.pipeline import Pass
+from fxdebug.capture.base import TraceOptions
+from fxdebug.errors import TraceError, UsageError
+from fxdebug.graph.inputs import normalize_inputs
+from fxdebug.report.report import Report
+
+__all__ = ["live_to_module"]
+
+NAMESPACE = "fxdebug"
+
+
+def live_to_module(model: nn.Module, passes: Sequence[Pass], prior: Report | None, example_inputs: Any,
+                   parts: Iterable[nn.Module], shrink: bool = False) -> nn.Module:
+    """A plain module of ``model`` as it is now with the transforms of ``passes`` (see the module doc).
+
+    ``parts``: the live module's instrumented graphs (where the transforms' state is read from).
+    """
+    from fxdebug.instrumented.pipeline import capture_module, run_pipeline
+
+    inputs = normalize_inputs(example_inputs)
+    transforms = [p for p in passes if not p.observe_only]
+    why = []
+    for frontend in ("symbolic", "export"):
+        if frontend == "export" and inputs is None:
+            why.append("export needs the example inputs, and instrument() was given none")
+            break
+        try:
+            snapshot = capture_module(frontend, model, inputs, TraceOptions())
+        except TraceError as exc:
+            why.append(f"{frontend}: {exc.message}")
+            continue
+        if transforms:
+            snapshot = run_pipeline(snapshot, transforms, example_inputs, prior)
+            carry_transform_state(list(parts), snapshot)
+        return snapshot.to_module(shrink=shrink)
+    raise UsageError("to_module() makes one plain GraphModule, a snapshot of the model, and none could be captured ("
+                     + "; ".join(why) + "). A live (Dynamo) capture is graphs around eager code, not one module.")
+
+
+def _added(gm: nn.Module) -> dict[str, nn.Module]:
+    """``{target: module}`` of the modules fxdebug's passes added that ``gm``'s graph calls."""
+    out: dict[str, nn.Module] = {}
+    graph = getattr(gm, "graph", None)
+    for node in graph.nodes if graph is not None else ():
+        target = str(node.target)
+        if node.op != "call_module" or not target.startswith(f"{NAMESPACE}."):
+            continue
+        value: Any = gm
+        try:
+            for name in target.split("."):
+                value = getattr(value, name)
+        except AttributeError:
+            continue
+        if isinstance(value, nn.Module):
+            out[target] = value
+    return out
+
+
+def _masks(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
+    """``{(layer path, parameter): mask}`` of a masking module (``Masked``, ``MaskedValue``; by shape: the core
+    does not import the pass library)."""
+    path = getattr(module, "path", None)
+    if not isinstance(path, str):
+        return {}
+    value = getattr(module, "mask_value", None)
+    if isinstance(value, torch.Tensor) and isinstance(getattr(module, "name", None), str):
+        return {(path, module.name): value}
+    names, mask = getattr(module, "names", None), getattr(module, "mask", None)
+    if isinstance(names, list) and callable(mask):
+        return {(path, n): mask(n) for n in names}
+    return {}
+
+
+def _set_mask(module: nn.Module, name: str, value: torch.Tensor) -> bool:
+    attr = "mask_value" if hasattr(module, "mask_value") else f"mask_{name}"
+    have = module._buffers.get(attr)
+    if have is None or have.shape != value.shape:
+        return False
+    with torch.no_grad():
+        have.copy_(value)
+    return True
+
+
+def carry_transform_state(parts: list[nn.Module], snapshot: nn.Module) -> None:
+    """Give ``snapshot``'s transform modules the state of the live ``parts``' (masks; same-named added modules)."""
+    live_masks: dict[tuple[str, str], torch.Tensor] = {}
+    live_modules: dict[str, nn.Module] = {}
+    for part in parts:
+        for target, module in _added(part).items():
+            found = _masks(module)
+            live_masks.update(found)
+            if not found:
+                live_modules.setdefault(target, module)
+    for snap_part in getattr(snapshot, "parts", lambda: {"": snapshot})().values():
+        for target, module in _added(snap_part).items():
+            found = _masks(module)
+            if found:
+                for (path, name), _ in found.items():
+                    if (path, name) in live_masks:
+                        _set_mask(module, name, live_masks[(path, name)])
+                continue
+            source = live_modules.get(target)
+            if source is not None and type(source) is type(module):
+                _copy_state(source, module)
+
+
+def _copy_state(source: nn.Module, dest: nn.Module) -> None:
+    have = dict(source.named_parameters(recurse=True))
+    have.update(source.named_buffers(recurse=True))
+    want = dict(dest.named_parameters(recurse=True))
+    want.update(dest.named_buffers(recurse=True))
+    if set(have) != set(want) or any(have[k].shape != want[k].shape for k in want):
+        return  # another structure: the snapshot's own transform stands
+    with torch.no_grad():
+        for key, tensor in want.items():
+            tensor.copy_(have[key])
