@@ -13,7 +13,10 @@ second plain loop (``plain again``) shows the noise of the figure itself. Each r
 ``step()`` alone on one batch's gradients kept (``hot``: the aid's own work with warm caches).
 
     OMP_NUM_THREADS=1 python tools/bench_training.py [--what probes|aids|all] [--repeats 5] [--rounds 25] [--steps 20]
-        [--batch 8 32] [--only SGD AdamW]
+        [--batch 8 32] [--only SGD AdamW] [--norm layer|batch] [--guard-model]
+
+``--guard-model`` passes the model to the guard (``dbg=model``: a skipped step also takes back its
+buffers; a good one copies them, ``--norm batch`` gives the blocks running statistics to copy).
 """
 
 from __future__ import annotations
@@ -45,10 +48,22 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+class TokenBatchNorm(nn.BatchNorm1d):
+    """Batch norm over the feature dim of ``(batch, tokens, width)`` (``--norm batch``: a model with
+    running statistics, the buffers ``fxdebug.guard(opt, dbg=model)`` takes back on a skipped step)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(0, 1)).view_as(x)
+
+
+NORM = {"layer": nn.LayerNorm, "batch": TokenBatchNorm}
+SETTINGS = {"norm": "layer", "guard_model": False}  # set from the command line
+
+
 class Block(nn.Module):
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(width)
+        self.norm = NORM[SETTINGS["norm"]](width)
         self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +82,7 @@ def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: 
     net = model(width, depth)
     opt: Any = make_opt(net.parameters())
     if variant == "guard":
-        opt = fxdebug.guard(opt)
+        opt = fxdebug.guard(opt, dbg=net if SETTINGS["guard_model"] else None)
     elif variant == "param_updates":
         ParamUpdates(opt)  # hooks the optimizer's step; the model itself stays plain
     gen = torch.Generator().manual_seed(1)
@@ -220,7 +235,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[8, 32], help="aids: batch sizes (samples of 16 tokens)")
     ap.add_argument("--only", nargs="*", default=[], help="aids: optimizers whose name contains one of these")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--norm", choices=sorted(NORM), default="layer",
+                    help="aids: the blocks' norm (batch: running statistics, buffers written in forward)")
+    ap.add_argument("--guard-model", action="store_true",
+                    help="aids: fxdebug.guard(opt, dbg=model), which also takes back the model's buffers")
     args = ap.parse_args()
+    SETTINGS.update(norm=args.norm, guard_model=args.guard_model)
     if args.what in ("probes", "all"):
         probes(args)
     if args.what in ("aids", "all"):

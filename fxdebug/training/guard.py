@@ -4,7 +4,10 @@ The guard wraps an optimizer. Its ``step()`` decides *on the device* whether thi
 a gradient of its parameters holds NaN/Inf, or (with ``dbg=``) a node the instrumented model
 watches saw NaN/Inf since the last step, or a ``torch.amp.GradScaler`` found an overflow — and
 leaves every parameter and every optimizer state tensor (moments, momentum buffers, step counts)
-bitwise as it was when so. Nothing in ``step()`` reads a device value back to the host:
+bitwise as it was when so — and, when the guard knows the model (``dbg=``), the model's buffers
+that the bad batch's forward already wrote (batch-norm statistics, any ``register_buffer`` updated
+in ``forward``: ``fxdebug.training.buffers``). Nothing in ``step()`` reads a device value back to
+the host:
 
 * fused optimizers (``fused=True``) take the flag as their ``found_inf`` input, the same one
   ``GradScaler`` uses: the fused kernel skips the update and takes the step count back;
@@ -21,25 +24,26 @@ bitwise as it was when so. Nothing in ``step()`` reads a device value back to th
 During ``step()`` the wrapped optimizer carries ``fxdebug_skipped`` (the flag) for its step hooks:
 ``ParamUpdates`` shows a step taken back as an update of 0.
 
-A bad step therefore leaves the optimizer exactly as a run that never saw that batch: later steps
-match that run bit for bit. ``int(g.skipped)`` reads how many steps were skipped (the one sync,
+A bad step therefore leaves the optimizer (and, with ``dbg=``, the model's buffers) exactly as a
+run that never saw that batch: later steps match that run bit for bit. Without ``dbg=`` the guard
+sees only the optimizer's parameters: buffers a bad forward wrote stay written. ``int(g.skipped)`` reads how many steps were skipped (the one sync,
 when asked); ``g.skipped_steps`` lists them, with the node that made the NaN when ``dbg=`` is given.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fxdebug.errors import ArgumentTypeError, UsageError
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.runtime import kernel
-from fxdebug.runtime.columns import NONFINITE
-from fxdebug.runtime.slots import INDEX, K
+from fxdebug.training.buffers import BufferPlan
 from fxdebug.training.restore import _on, _Plan, _live
+from fxdebug.training.watch import origin, watched_bad
 
 __all__ = ["Guard", "guard"]
 
@@ -60,7 +64,10 @@ def guard(optimizer: torch.optim.Optimizer, dbg: Any = None) -> "Guard":
         optimizer: a ``torch.optim.Optimizer`` (SGD, Adam, AdamW, ...; fused, foreach or plain).
         dbg: an ``fxdebug.Instrumented`` model; a step is also skipped when any node it watches
             for NaN/Inf (``NaNCheck``) saw one since the previous step, and ``skipped_steps``
-            names that node.
+            names that node. A skipped step also takes back the model's buffers its forward wrote
+            (batch-norm running statistics and ``num_batches_tracked``, any buffer ``forward``
+            updates or replaces), from a copy made at the last good step (and at ``guard()``).
+            A plain ``nn.Module`` is accepted too: its buffers are taken back, no node is watched.
 
     Use it where the optimizer was used, also with ``torch.amp.GradScaler`` (``scaler.step(g)``)::
 
@@ -73,9 +80,9 @@ def guard(optimizer: torch.optim.Optimizer, dbg: Any = None) -> "Guard":
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UsageError(f"fxdebug.guard(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}. "
                          "Pass the optimizer itself (not a scheduler or a list of parameters).")
-    if dbg is not None and not isinstance(dbg, Instrumented):
+    if dbg is not None and not isinstance(dbg, nn.Module):
         raise ArgumentTypeError(f"fxdebug.guard(optimizer, dbg=...): dbg must be an fxdebug.Instrumented model "
-                                f"(fxdebug.instrument(...)); got {type(dbg).__name__}.")
+                                f"(fxdebug.instrument(...)) or the nn.Module being trained; got {type(dbg).__name__}.")
     return Guard(optimizer, dbg)
 
 
@@ -101,12 +108,14 @@ class Guard(torch.optim.Optimizer):
     _origin_ring: Tensor | None
     _ring_steps: list[int]
     _watch: dict[str, Any] | None
+    _model_buffers: BufferPlan | None
     _buffers: dict[int, tuple[Tensor, Tensor]]
 
     def __init__(self, optimizer: torch.optim.Optimizer, dbg: Any = None) -> None:
-        self.__dict__.update(optimizer=optimizer, dbg=dbg, steps=0, _skipped=None, _log=None, _origin_log=None,
+        self.__dict__.update(optimizer=optimizer, dbg=dbg if isinstance(dbg, Instrumented) else None, steps=0, _skipped=None, _log=None, _origin_log=None,
                              _ring=None, _ring_slots=(), _origin_ring=None, _ring_steps=[], _watch=None, _buffers={}, _plan=None,
-                             _found={}, _all_state=None)
+                             _found={}, _all_state=None,
+                             _model_buffers=BufferPlan(dbg) if isinstance(dbg, nn.Module) else None)
         for group in optimizer.param_groups:
             _prepare_group(optimizer, group)
 
@@ -175,7 +184,7 @@ class Guard(torch.optim.Optimizer):
             bad = self._origin_log[:n].cpu()
             labels = self._watch["labels"]
             for i in range(n):
-                origins[i] = _origin([labels[j] for j in range(len(labels)) if bad[i, j]])
+                origins[i] = origin([labels[j] for j in range(len(labels)) if bad[i, j]])
         return [{"step": s, "origin": o} for s, o in zip(steps, origins)]
 
     def report(self) -> Any:
@@ -199,6 +208,8 @@ class Guard(torch.optim.Optimizer):
         scaler_inf = self.__dict__.get("found_inf")
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
+            if self._model_buffers is not None:  # nothing to step: the forward's buffer writes stay
+                self._model_buffers.after_step(torch.zeros(()))
             self.steps += 1
             return loss
         device = params[0].device
@@ -219,6 +230,8 @@ class Guard(torch.optim.Optimizer):
                 self._restoring_step(params, bad, lambda: self.optimizer.step())
         finally:
             delattr(self.optimizer, "fxdebug_skipped")
+        if self._model_buffers is not None:
+            self._model_buffers.after_step(bad)  # back to the last good step's copy when bad; else a new copy
         self._count(bad)
         self.steps += 1
         return loss
@@ -255,7 +268,7 @@ class Guard(torch.optim.Optimizer):
         if scaler_inf is not None:
             flags.append(scaler_inf.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
         if self.dbg is not None:
-            watched = self._watched_bad(device)
+            watched = watched_bad(self, device)
             if watched is not None:
                 flags.append(watched)
         if len(flags) == 1 and scaler_inf is None:
@@ -417,79 +430,6 @@ class Guard(torch.optim.Optimizer):
                 origins[0].copy_(origins[n])
         del steps[:n]
 
-    # -- with dbg=: did a watched node see NaN/Inf since the last step? ---------------------------
-    def _watched_bad(self, device: torch.device) -> Tensor | None:
-        watch = self._watch_plan()
-        if watch is None:
-            return None
-        tables = watch["tables"]
-        counts = torch.cat([t.index_select(0, idx).to(device, non_blocking=True) for t, idx in tables])
-        last = watch.get("last")
-        if last is None or last.shape != counts.shape:
-            last = torch.zeros_like(counts)
-        delta = counts > last
-        watch["last"] = counts
-        watch["delta"] = delta
-        return delta.any().to(torch.float32)
-
-    def _watch_plan(self) -> dict[str, Any] | None:
-        """The ``bad_calls`` slots of every fused row that a NaN/Inf-watching probe reads, per state
-        table; rebuilt when the model's tables change (a recapture, a reset, a move)."""
-        quick = self._tables_key()
-        if self._watch is not None and self._watch.get("quick") == quick:
-            return self._watch  # the same parts and tables as last step: no walk over the observers
-        observers = self.dbg.observers()
-        rows: list[tuple[Tensor, int, tuple[str, str]]] = []
-        for name, obs in observers.items():
-            if not any(c.key and NONFINITE in c.roles for p in obs.fused_probes for c in p.columns):
-                continue
-            clock = obs._clock
-            if clock is None or clock.table is None:
-                continue
-            for phase, (row, *_rest) in obs.fused_rows.items():
-                rows.append((clock.table, K * (row + 1) + INDEX["bad_calls"], (name, phase)))
-        key = tuple((id(t), i) for t, i, _ in rows)
-        if self._watch is not None and self._watch.get("key") == key:
-            self._watch["quick"] = quick
-            return self._watch
-        if not rows:
-            self._watch = None
-            return None
-        tables: dict[int, tuple[Tensor, list[int]]] = {}
-        for t, i, _ in rows:
-            tables.setdefault(id(t), (t, []))[1].append(i)
-        labels: list[tuple[str, str]] = []  # in the order the concatenation lays them out: table by table, rows in graph order
-        for tid, (t, idx) in tables.items():
-            labels.extend(label for tt, i, label in rows if id(tt) == tid)
-        plan = {"key": key, "quick": quick, "labels": labels,
-                "tables": [(t, torch.tensor(idx, dtype=torch.long, device=t.device)) for t, idx in tables.values()]}
-        self._fold()  # the skipped steps so far keep the origins of the old labels' layout...
-        self._origin_log = self._origin_ring = None  # ...which the next ones do not share
-        self._watch = plan
-        return plan
-
-
-    def _tables_key(self) -> tuple[Any, ...]:
-        """Identity of the model's captured parts and their state tables (cheap to compute)."""
-        parts = self.dbg.parts()  # dbg: an Instrumented module (checked by guard())
-        key = []
-        for part in parts.values():
-            clock = part._clock() if hasattr(part, "_clock") else None
-            table = None if clock is None else clock.table
-            key.append((id(part), id(table), None if clock is None else clock.rows))
-        return tuple(key)
-
-
-def _origin(bad: list[tuple[str, str]]) -> str | None:
-    """The node a skipped step's NaN came from: the first watched node (graph order) whose output
-    went bad forward; else the last one whose output gradient did (where the bad gradient entered)."""
-    fwd = [n for n, phase in bad if phase == "forward"]
-    if fwd:
-        return fwd[0]
-    grad = [n for n, phase in bad if phase == "grad"]
-    return grad[-1] if grad else None
-
-
 def _prepare_group(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """On an accelerator, a non-fused Adam-style step count lives on the host; the guard cannot take
     it back without a sync, so such groups run capturable (the count on the device, same update)."""
@@ -503,8 +443,3 @@ def _prepare_group(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
         st = opt.state.get(p)
         if st and isinstance(st.get("step"), Tensor):
             st["step"] = st["step"].to(p.device)
-
-
-def _iter_params(opt: torch.optim.Optimizer) -> Iterator[Tensor]:
-    for g in opt.param_groups:
-        yield from g["params"]
