@@ -7,7 +7,8 @@ be folded into the conv's weights and bias: ``scale = gamma / sqrt(var + eps)``,
 and batch-norm keep their own parameters and stay in the model untouched.
 
 A pair is left alone, with the reason in the result's notes, when the batch-norm is in training
-mode or has no running statistics, when the conv's output has other users, or (Linear +
+mode or has no running statistics, when the conv's output has other users (fxdebug's own observers
+do not count: on an instrumented model the conv's observation is dropped, with a note), or (Linear +
 BatchNorm1d) when the batch-norm does not normalise the linear's feature dimension.
 
 Each fused layer is checked against the pair it replaces on the example inputs; the maximum
@@ -27,7 +28,7 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from .derived import mark_derived
 from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, node_values, replace_pattern
-from fxdebug.authoring import Options, node_meta
+from fxdebug.authoring import INSTRUMENTATION, Options, is_instrumentation, node_meta
 
 __all__ = ["Fuse", "fold_batchnorm"]
 
@@ -110,6 +111,11 @@ class Fuse(Pass):
         replaced: dict[str, str] = {}
         by_pattern = [(p, find_pattern(gm, p, where=self.where)) for p in _patterns()]  # matched once
         found = [m for _, ms in by_pattern for m in ms]
+        for m in found:  # an instrumented model: fxdebug's own observers of the conv are no reason to stay
+            if m.blocked and all(_observes_only(u) or u in m.nodes for n in m.nodes if n is not m.anchor
+                                 for u in n.users):
+                self._unobserve(ctx, [n for n in m.nodes if n is not m.anchor], notes)
+                m.blocked = None
         aten = _aten_pairs(gm, ctx) if not found else []
         wanted = [n for m in found if not m.blocked for n in (m.inputs[0], m.anchor)]
         wanted += [n for layer, bn in aten for n in (layer.args[0], bn) if isinstance(n, Node)]
@@ -163,6 +169,7 @@ class Fuse(Pass):
             info["max_abs_diff"] = self._compare(fused, values[x.name], values[bn_node.name], pair, bn_node.name,
                                                  type(layer).__name__)
         reads = [a for a in (*layer_node.args, *bn_node.args) if isinstance(a, Node) and a.op == "get_attr"]
+        self._unobserve(ctx, [layer_node], notes)
         new = ctx.replace_with_module(bn_node, fused, (x,))
         gm.graph.erase_node(layer_node)
         for read in reads:  # the pair's parameter reads, now unused: the fused layer owns its weights
@@ -172,6 +179,13 @@ class Fuse(Pass):
         replaced[bn_node.name] = replaced[layer_node.name] = new.name
         diff = f": max |diff| {info['max_abs_diff']:.2e}" if "max_abs_diff" in info else ""
         notes.append(f"fused {pair} into {new.name}{diff}.")
+
+    @staticmethod
+    def _unobserve(ctx: PassContext, nodes: list[Node], notes: list[str]) -> None:
+        for n in nodes:
+            if ctx.unobserve(n):
+                notes.append(f"dropped the observation of {n.name}: the fused layer computes it and the batch-norm "
+                             "in one, so its value no longer exists (the batch-norm's row now shows the fused output).")
 
     def _check(self, fused: nn.Module, match: Match, values: dict[str, Any]) -> float:
         return self._compare(fused, values[match.inputs[0].name], values[match.anchor.name], match.describe(),
@@ -192,6 +206,12 @@ class Fuse(Pass):
                 "Fuse(atol=..., rtol=...) if that difference is acceptable.",
                 node=node, pass_name=self.name, op=op)
         return diff
+
+
+def _observes_only(user: Node) -> bool:
+    """Whether ``user`` is fxdebug's own observation (an observer, not a guard or a shadow that changes
+    what runs): a transform may take it off a node it replaces (``PassContext.unobserve``)."""
+    return is_instrumentation(user) and node_meta(user).role == INSTRUMENTATION
 
 
 def _bn_module(gm: GraphModule, bn_node: Node) -> Any:
@@ -228,9 +248,9 @@ def _aten_why_not(layer_node: Node, bn_node: Node, layer: nn.Module, bn: Any) ->
         return "the batch-norm has no running statistics (track_running_stats=False)."
     if bn.training or (len(bn_node.args) > 5 and bn_node.args[5] is True):
         return "the batch-norm is in training mode (it uses batch statistics); call model.eval() first."
-    if len(layer_node.users) != 1:
-        users = ", ".join(u.name for u in layer_node.users)
-        return f"{layer_node.name} feeds {len(layer_node.users)} users ({users}); fusion needs exactly one."
+    users = [u for u in layer_node.users if not _observes_only(u)]  # fxdebug's own observers do not count
+    if len(users) != 1:
+        return f"{layer_node.name} feeds {len(users)} users ({', '.join(u.name for u in users)}); fusion needs exactly one."
     shape = node_meta(layer_node).shape
     if isinstance(layer, nn.Linear) and shape is not None and len(shape) != 2:
         return "the linear output is not 2-d, so BatchNorm1d does not normalise its features."

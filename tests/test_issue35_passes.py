@@ -54,3 +54,61 @@ def test_nan_made_by_an_op_is_still_blamed_on_the_op():
     dbg(x)
     finding = next(f for f in dbg.report().findings() if f.kind == "nonfinite_origin")
     assert "turned finite inputs into NaN/Inf" in finding.message and "clamp" in finding.fix
+
+
+# -- B5: Fuse on an instrumented model -------------------------------------------------------------
+def _conv_bn():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model, torch.randn(2, 3, 8, 8)
+
+
+def _calls_batchnorm(gm) -> bool:
+    return any("batch_norm" in str(n.target) or isinstance(getattr(gm, "get_submodule")(n.target), nn.BatchNorm2d)
+               if n.op == "call_module" else "batch_norm" in str(n.target) for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("frontend", ["auto", "symbolic"])
+@pytest.mark.parametrize("first", [
+    lambda: [NaNCheck(backward=True), fxdebug.passes.StatCollector()],
+    lambda: [NaNCheck(mode="raise")],  # an input-wanting probe: the batch-norm's observer reads the conv too
+], ids=["record", "raise"])
+def test_fuse_folds_an_already_instrumented_conv_bn(frontend, first):
+    from fxdebug.passes import Fuse
+
+    model, x = _conv_bn()
+    dbg = fxdebug.instrument(model, first(), example_inputs=(x,), frontend=frontend)
+    fused = fxdebug.instrument(dbg, [Fuse()], example_inputs=(x,))
+    result = next(r for r in fused.pass_results if r.pass_name == "fuse")
+    assert result.replaced, result.notes  # fused, not "feeds 2 users (_1, fxdebug_obs__0)"
+    assert any("dropped the observation" in n for n in result.notes)
+    gm = fused if isinstance(fused, torch.fx.GraphModule) else fused.graph
+    gm = gm if isinstance(gm, torch.fx.GraphModule) else gm.owning_module
+    gm.graph.lint()
+    assert not _calls_batchnorm(gm)
+    y = fused(x)
+    torch.testing.assert_close(y, model(x), atol=1e-5, rtol=1e-5)
+    rows = fused.report().rows
+    assert len(rows) == len(dbg.report().rows) - 1  # the conv's own row went with its value
+
+
+def test_fuse_still_refuses_a_conv_that_the_model_reads_twice():
+    from fxdebug.passes import Fuse
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            y = self.conv(x)
+            return self.bn(y) + y
+
+    model, x = Twice().eval(), torch.randn(2, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(x,), frontend="symbolic")
+    fused = fxdebug.instrument(dbg, [Fuse()], example_inputs=(x,))
+    result = next(r for r in fused.pass_results if r.pass_name == "fuse")
+    assert not result.replaced and any("alone" in n for n in result.notes)

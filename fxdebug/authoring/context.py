@@ -249,6 +249,14 @@ class PassContext:
         """
         return self._observation.attach(node, probe, self.current_pass)
 
+    def unobserve(self, node: Node) -> list[str]:
+        """Take fxdebug's own observation off ``node`` so that a transform can replace it (fusing an
+        already instrumented conv + batch-norm): every observer watching ``node`` — a module call,
+        a lowered op call, a member of a batched call, a gradient tap — is erased, and observers of
+        other nodes stop reading it as an input. Nodes of other roles (guards, shadows) change what
+        the model computes and stay. Returns the observers' node names that were erased."""
+        return self._observation.detach(node)
+
     def clock(self, gm: GraphModule) -> Clock:
         """The graph's forward-call clock, inserted once at the start of the graph."""
         return self._observation.clock(gm, self.current_pass)

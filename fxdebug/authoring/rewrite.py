@@ -37,6 +37,7 @@ from fxdebug.graph.inputs import bind_inputs, normalize_inputs, preserved_state
 from fxdebug.errors import ArgumentTypeError, MissingInputsError, UsageError
 from fxdebug.graph.meta import describe, is_instrumentation, node_meta, op_label
 from fxdebug.graph.classify import get_module
+from fxdebug.graph.edits import follow_observations
 from fxdebug.graph.select import Where, matches
 
 __all__ = ["Match", "Replacement", "find_pattern", "keep_state", "node_values", "replace_pattern"]
@@ -277,6 +278,7 @@ def replace_pattern(
                 for n in added:
                     _record(ctx, match, n, get_module(gm, n))
         match.anchor.replace_all_uses_with(out)
+        follow_observations(match.anchor.name, out)  # an instrumented graph: the anchor's row follows
         moved[match.anchor] = out
         for n in reversed(match.nodes):
             gm.graph.erase_node(n)

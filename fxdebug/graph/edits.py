@@ -16,7 +16,8 @@ from torch.fx import GraphModule, Node
 from fxdebug.errors import UsageError
 from fxdebug.graph.meta import KEY, module_path, node_meta, op_label
 
-__all__ = ["NAMESPACE", "Target", "add_module", "copy_meta", "insert_after", "insert_before", "replace", "replace_with_module"]
+__all__ = ["NAMESPACE", "Target", "add_module", "copy_meta", "follow_observations", "insert_after", "insert_before", "replace",
+           "replace_with_module"]
 
 NAMESPACE = "fxdebug"  # root attribute under which fxdebug registers the modules it adds
 
@@ -118,12 +119,26 @@ def copy_meta(old: Node, new: Node, pass_name: str | None = None) -> None:
         meta.add_changed_by(pass_name)
 
 
+def follow_observations(old: str, new: Node) -> None:
+    """The observations of the replaced node ``old`` now watch ``new`` (they read it since its users
+    were rewired): their ``observes`` name follows, so the report keeps their row, under ``new``."""
+    for user in new.users:
+        meta = user.meta.get(KEY)
+        if not meta or meta.get("role") != "instrumentation":
+            continue
+        if meta.get("observes") == old:
+            meta["observes"] = new.name
+        if "batch" in meta:  # a batched call: (observed name, observer) per member
+            meta["batch"] = [(new.name if o == old else o, t) for o, t in meta["batch"]]
+
+
 def replace(node: Node, new: Node, *, pass_name: str | None = None) -> Node:
     """``new`` takes ``node``'s place: users rewired (``new`` itself may read ``node``), metadata
     carried over with ``replaced`` set, ``node`` erased."""
     copy_meta(node, new, pass_name)
     node_meta(new).replaced = f"{op_label(node)} ({node.name})"
     node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+    follow_observations(node.name, new)
     if not node.users:
         node.graph.erase_node(node)
     return new
@@ -149,5 +164,6 @@ def replace_with_module(node: Node, module: nn.Module, args: tuple[Any, ...] | N
     if not node.users:  # the model computed a value nobody reads; its replacement keeps that shape
         meta.keep_unused = True
     node.replace_all_uses_with(new)
+    follow_observations(node.name, new)
     graph.erase_node(node)
     return new

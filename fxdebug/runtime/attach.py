@@ -63,6 +63,24 @@ class Observation:
         obs_node.meta[KEY].setdefault("probes", []).append(probe.key)  # NodeMeta.add_probe, without the view
         return obs_node
 
+    def detach(self, node: Node) -> list[str]:
+        """Erase the observation of ``node`` (``PassContext.unobserve``): its observers, lowered calls
+        and gradient taps (batches holding it split first); other observers stop reading it."""
+        gm = node.graph.owning_module
+        assert isinstance(gm, GraphModule), "node must belong to a GraphModule"
+        find_lowered(node)  # splits the batched calls (forward and gradient) that hold it
+        erased = []
+        for user in list(node.users):
+            meta = user.meta.get(KEY, _NONE)
+            if meta.get("role") != INSTRUMENTATION:
+                continue
+            if meta.get("observes") == node.name and user.args and user.args[0] is node and not user.users:
+                erased.append(user.name)
+                gm.graph.erase_node(user)
+            else:  # an input-wanting probe of another node reads it beside that node's output
+                user.args = tuple(a for a in user.args if a is not node)
+        return erased
+
     def _clock_pair(self, gm: GraphModule, pass_name: str | None) -> tuple[Node, Clock]:
         """The clock's node and module (the module looked up once per graph, not per observer)."""
         node = self.clock_node(gm, pass_name)
