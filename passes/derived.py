@@ -9,6 +9,7 @@ drop them on save and do not ask for them on load: the checkpoint holds the mode
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from torch import nn
@@ -17,6 +18,9 @@ __all__ = ["mark_derived"]
 
 
 def _drop_saved(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    onnx = sys.modules.get("torch.onnx")
+    if onnx is not None and onnx.is_in_onnx_export():  # the TorchScript exporter finds the parameters by state_dict():
+        return  # hidden ones would be traced as constants ("Cannot insert a Tensor that requires grad") (issue 35 B14)
     for key in [k for k in state_dict if k.startswith(prefix)]:
         del state_dict[key]
 

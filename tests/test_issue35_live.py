@@ -166,3 +166,59 @@ def test_to_module_of_live_prune_masks_keeps_the_masks_it_computes_with():
     assert not torch.allclose(got, original)
     weight = dict(plain.named_parameters())["fc1.weight"]
     assert 0.4 < float((weight == 0).float().mean()) < 0.6
+
+
+# -- B14: a fused module exports; a live one says what to export ------------------------------------------------
+class ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def _onnx_export(module, x):
+    import io
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch's note on the legacy (TorchScript) exporter
+        buffer = io.BytesIO()
+        torch.onnx.export(module, (x,), buffer, dynamo=False)
+    return buffer.getvalue()
+
+
+def test_onnx_export_of_a_fused_module_builds_its_graph():
+    from fxdebug.passes import Fuse
+
+    model, x = ConvBN().eval(), torch.randn(1, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in dbg.to_module().modules())  # fused
+    try:
+        import onnx
+    except ImportError:
+        onnx = None
+    if onnx is None:  # the exporter built the whole ONNX graph; only writing it out needs the onnx package
+        with pytest.raises(torch.onnx.OnnxExporterError, match="onnx is not installed"):
+            _onnx_export(dbg, x)
+    else:
+        proto = onnx.load_model_from_string(_onnx_export(dbg, x))
+        assert "BatchNormalization" not in {n.op_type for n in proto.graph.node}
+    traced = torch.jit.trace(dbg, (x,))
+    torch.testing.assert_close(traced(x), model(x))
+
+
+def test_tracing_a_live_module_points_to_to_module():
+    from fxdebug.errors import UsageError
+
+    model, x = ConvBN().eval(), torch.randn(1, 3, 8, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+    assert dbg.trace_info.frontend == "dynamo"
+    with pytest.raises(UsageError, match=r"dbg\.to_module\(\)"):
+        torch.jit.trace(dbg, (x,))
+    with pytest.raises(UsageError, match=r"dbg\.to_module\(\)"):
+        _onnx_export(dbg, x)
+    traced = torch.jit.trace(dbg.to_module(), (x,))
+    torch.testing.assert_close(traced(x), model(x))

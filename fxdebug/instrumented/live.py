@@ -39,6 +39,7 @@ from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_report import _global_calls, _note_none_arguments, _origin_facts
@@ -124,6 +125,7 @@ class LiveInstrumented(Instrumented):
         ``__cause__``); after that, the model's exceptions are its own. Dynamo's own failures are
         ``TraceError``s at any call.
         """
+        refuse_tracing(self._model)  # torch.jit.trace / onnx export: a typed error pointing to to_module() (issue 35 B14)
         self.__dict__["_calls"] += 1
         if _global_hook_count() != self.__dict__["_globals"]:
             self.__dict__["_calls"] -= 1

@@ -31,7 +31,7 @@ from fxdebug.errors import TraceError, UsageError
 from fxdebug.graph.inputs import normalize_inputs
 from fxdebug.report.report import Report
 
-__all__ = ["live_to_module"]
+__all__ = ["live_to_module", "refuse_tracing"]
 
 NAMESPACE = "fxdebug"
 
@@ -62,6 +62,19 @@ def live_to_module(model: nn.Module, passes: Sequence[Pass], prior: Report | Non
         return snapshot.to_module(shrink=shrink)
     raise UsageError("to_module() makes one plain GraphModule, a snapshot of the model, and none could be captured ("
                      + "; ".join(why) + "). A live (Dynamo) capture is graphs around eager code, not one module.")
+
+
+def refuse_tracing(model: nn.Module) -> None:
+    """A typed error when TorchScript traces a live module (``torch.jit.trace``; ``torch.onnx.export(...,
+    dynamo=False)``, which traces with it): its graphs run through TorchDynamo, which tracing cannot enter, and torch
+    would fail deep inside ("using FX to torch.jit.trace a dynamo-optimized function"). The plain module is the
+    thing to trace or export."""
+    if torch.jit.is_tracing():
+        name = type(model).__name__
+        raise UsageError(f"torch.jit.trace / torch.onnx.export(dynamo=False) of the live (Dynamo) instrumented {name}: "
+                         "TorchScript tracing cannot run Dynamo's graphs. Trace or export the plain module instead: "
+                         "torch.onnx.export(dbg.to_module(), args, ...) or torch.jit.trace(dbg.to_module(), args); "
+                         "it keeps the transforms and leaves fxdebug's observers out.", module="", op="torch.jit.trace")
 
 
 def _added(gm: nn.Module) -> dict[str, nn.Module]:
