@@ -19,11 +19,17 @@ fused observation (what NaNCheck + StatCollector cost). Graphs that cannot run o
 (whose forward may change Python state), keep a probe on every node, checked per call. When an op itself fails on a bad shape (a Linear fed the wrong number
 of features), the instrumented module already re-raises that as ``ShapeMismatchError`` naming
 the node and its inputs' shapes; this pass catches what does *not* fail, just goes wrong.
+
+The expectations belong to the modules they were learnt from. A live module's recapture (another
+shape, mode or keyword) keeps the first capture's; but where a module was replaced since
+(``model.fc = nn.Linear(512, 5)`` for a new head), its nodes and every node computed from them are
+learnt again from the recapture, while the modules that were not replaced keep theirs.
 """
 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -149,6 +155,9 @@ class ShapeAssert(fxdebug.Pass):
         # A live (Dynamo) module hands over a new graph for each recompile (another shape, mode or keyword), all over
         # the model's own module dictionary, with stable node names: the first capture's expectation holds for them
         first = self._expected(gm)
+        if first:  # a recapture: what a module replaced since (model.fc = nn.Linear(.., 5)) computes is learnt again
+            for name in _replaced(gm, self.__dict__["_owners"][id(gm.__dict__.get("_modules"))]):
+                first.pop(name, None)
         if other_run:
             _widen(first, specs, weights)
         for name, (spec, dims) in first.items():
@@ -157,6 +166,7 @@ class ShapeAssert(fxdebug.Pass):
         for name, spec in specs.items():
             if isinstance(spec, TensorSpec) and name not in first:
                 first[name] = (spec, symbolic[name])
+        _remember_owners(gm, self.__dict__["_owners"][id(gm.__dict__.get("_modules"))])
         added: list[Node | None] = []
         probes: dict[str, ShapeProbe] = {}
         nodes = list(ctx.nodes(gm, ops=_OPS, tensor_outputs=True))
@@ -200,17 +210,20 @@ class ShapeAssert(fxdebug.Pass):
 
     def _expected(self, gm: GraphModule) -> dict[str, tuple[TensorSpec, Dims]]:
         """``{node: (spec, symbolic dims)}`` first learnt for the model behind ``gm`` (keyed by its module table,
-        which every graph of one live capture shares; a snapshot graph has its own)."""
+        which every graph of one live capture shares; a snapshot graph has its own). Beside it, in
+        ``_owners``, the module object each expectation was learnt from: ``{module path: weakref}``."""
         table = gm.__dict__.get("_modules")
         memory = self.__dict__.setdefault("_first", {})
+        owners = self.__dict__.setdefault("_owners", {})
         key = id(table)
         found = memory.get(key)
         if found is None or found[0] is not table:
             found = memory[key] = (table, {})
+            owners[key] = {}
         return found[1]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_first"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_first", "_owners")}
 
     def _dynamic(self, spec: TensorSpec, other: Any) -> set[int]:
         rank = len(spec.shape)
@@ -218,6 +231,39 @@ class ShapeAssert(fxdebug.Pass):
         if isinstance(other, TensorSpec) and len(other.shape) == rank:
             dims |= {i for i, (a, b) in enumerate(zip(spec.shape, other.shape)) if a != b}
         return dims
+
+
+def _modules_at(gm: GraphModule, paths: Iterable[str]) -> dict[str, Any]:
+    """``{path: the module now at path}`` for the non-root ``paths`` (one walk of the module tree)."""
+    wanted = set(paths) - {""}
+    if not wanted:
+        return {}
+    return {name: m for name, m in gm.named_modules(remove_duplicate=False) if name in wanted}
+
+
+def _remember_owners(gm: GraphModule, owners: dict[str, Any]) -> None:
+    """Note, for each module path the graph's nodes belong to, the module object there now (weakly)."""
+    paths = {fxdebug.module_path(n) for n in gm.graph.nodes if not fxdebug.is_instrumentation(n)}
+    for path, module in _modules_at(gm, paths - set(owners)).items():
+        owners[path] = weakref.ref(module)
+
+
+def _replaced(gm: GraphModule, owners: dict[str, Any]) -> set[str]:
+    """Nodes of ``gm`` whose expectation belongs to a module that is no longer the one at its path (a
+    replaced head), and every node computed from them: their shapes may legitimately differ now."""
+    nodes = [n for n in gm.graph.nodes if not fxdebug.is_instrumentation(n)]
+    paths = {fxdebug.module_path(n) for n in nodes} & set(owners)
+    now = _modules_at(gm, paths)
+    gone = {p for p in paths if owners[p]() is not now.get(p)}
+    if not gone:
+        return set()
+    for p in gone:
+        del owners[p]  # learnt again from this capture
+    out: set[str] = set()
+    for n in nodes:  # graph order is topological: a node is affected by its module or by an affected input
+        if fxdebug.module_path(n) in gone or any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
 
 
 def _dynamic_dims(gm: GraphModule) -> dict[str, set[int]]:

@@ -112,3 +112,40 @@ def test_fuse_still_refuses_a_conv_that_the_model_reads_twice():
     fused = fxdebug.instrument(dbg, [Fuse()], example_inputs=(x,))
     result = next(r for r in fused.pass_results if r.pass_name == "fuse")
     assert not result.replaced and any("alone" in n for n in result.notes)
+
+
+# -- B8: ShapeAssert after a legitimately replaced head --------------------------------------------
+class _Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        self.fc = nn.Linear(16, 10)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(self.body(x)))
+
+
+def test_shape_assert_learns_a_replaced_head_again():
+    from fxdebug.passes import ShapeAssert
+
+    model = _Head()
+    dbg = fxdebug.instrument(model, [ShapeAssert()], example_inputs=(torch.randn(4, 8),))
+    assert dbg(torch.randn(4, 8)).shape == (4, 10)
+    model.fc = nn.Linear(16, 5)  # 10 classes -> 5: the expectation belonged to the old module
+    assert dbg(torch.randn(4, 8)).shape == (4, 5)
+    assert dbg(torch.randn(6, 8)).shape == (6, 5)  # was: "fc produced (N, 5); expected (N, 10)"
+    torch.testing.assert_close(dbg(x := torch.randn(3, 8)), model(x))
+
+
+def test_shape_assert_keeps_the_expectations_of_modules_that_were_not_replaced():
+    from fxdebug.passes import ShapeAssert
+
+    model = _Head()
+    dbg = fxdebug.instrument(model, [ShapeAssert(dynamic_dims=())], example_inputs=(torch.randn(4, 8),))
+    dbg(torch.randn(4, 8))
+    model.fc = nn.Linear(16, 5)
+    assert dbg(torch.randn(4, 8)).shape == (4, 5)
+    with pytest.raises(fxdebug.ShapeMismatchError) as info:  # the batch dim is fixed: the input still breaks it
+        dbg(torch.randn(6, 8))
+    assert "fc" not in (info.value.module or "") and "(4, 8)" in str(info.value)
