@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
@@ -118,6 +119,9 @@ def _code_key() -> str:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         code = InstructionTranslator.current_tx().f_code
-        return f"{code.co_filename}:{code.co_name}:{code.co_firstlineno}"
+        key = f"{code.co_filename}:{code.co_name}:{code.co_firstlineno}"
+        if code.co_name.startswith("torch_dynamo_resume_in_"):  # two resume functions after graph breaks on one
+            key += f":{zlib.crc32(code.co_code):08x}"  # line share name and line; their bytecode tells them apart
+        return key
     except Exception:  # another torch: fall back on Dynamo's frame counter
         return ""

@@ -174,12 +174,36 @@ def _resolve(model: Any, path: str, attr: str, kind: str) -> Any:
     return table.get(attr)
 
 
+def _join(scope: str, path: str) -> str:
+    return ".".join(p for p in (scope, path) if p)
+
+
+def _site_prefix(site: Any) -> str:
+    """What the names of a graph at a call site other than the root's start with (``capture.dynamo_sites.Site``):
+    the calling module's path, the helper's function (not a module's ``forward``), the occurrence."""
+    if site is None:
+        return ""
+    parts = [site.module.replace(".", "_")] if site.module else []
+    if site.function and site.function != "forward":
+        parts.append(site.function)
+    if site.occurrence:
+        parts.append(str(site.occurrence))
+    return "_".join(parts)
+
+
 def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, space: str) -> Prepared:
     """A copy of ``graph`` with stable node names; placeholders that are ``model``'s state become ``get_attr``.
 
     A placeholder becomes ``get_attr`` only when the model's attribute at its source path is the
     very tensor Dynamo passed (a frame whose ``self`` is not the model keeps its placeholders).
+    A graph at a call site (``graph.site``, see ``capture.dynamo_sites``) is named for that site:
+    its module paths are under the calling module (a submodule's own frame reads ``L['self']`` as
+    that submodule), its names start with the site's prefix, and the namer keys them by site.
     """
+    site = getattr(graph, "site", None)
+    scope = site.module if site is not None else ""
+    prefix = _site_prefix(site)
+    frame_key: Any = (graph.code or graph.frame) if site is None else (graph.code or graph.frame, site)
     src = graph.gm
     new = Graph()
     env: dict[Node, Node] = {}
@@ -200,6 +224,10 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
             index += 1
             source = sources[index] if index < len(sources) else ""
             state = state_name(source)
+            if state is not None and scope:  # a submodule's frame: its self is the module at the site
+                nested = (_join(scope, state[0]), state[1], state[2])
+                if index < len(args) and _resolve(model, *nested) is args[index]:
+                    state = nested
             value = _resolve(model, *state) if state is not None else None
             if state is not None and index < len(args) and value is args[index]:
                 path, attr, kind = state
@@ -208,9 +236,13 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
                 fx_meta(out).update(module=path, param=f"{path}.{attr}".lstrip("."), state=kind, dynamo_arg=index)
             else:
                 keep.append(index)
-                out = new.placeholder(_safe(_input_name(source, model, shift) or node.name))
+                name = _input_name(source, model, shift) or node.name
+                full = _safe(f"{prefix}_{name}" if prefix else name)
+                if name.startswith("_"):  # Dynamo's own (``___stack0``: a value the eager code before the frame made)
+                    full = namer.name(frame_key, full, 0)  # one per frame, as every recompile of it names it
+                out = new.placeholder(full)
                 out.meta.update(meta)
-                fx_meta(out)["module"] = ""
+                fx_meta(out)["module"] = scope
             env[node] = out
             continue
         if node.op == "output":
@@ -225,17 +257,18 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
             out.meta.update(meta)
             env[node] = out
             continue
-        path, typ, keys = _scope(node)
-        if path and _is_scope_output(node, keys):
+        inner, typ, keys = _scope(node)
+        path = _join(scope, inner)
+        if inner and _is_scope_output(node, keys):
             base = path.replace(".", "_")
         else:
             op = _op_name(node)
-            base = f"{path.replace('.', '_')}_{op}" if path else op
+            base = f"{path.replace('.', '_')}_{op}" if inner else (f"{prefix}_{op}" if prefix else op)
         base = _safe(base)
         k = counts.get(base, 0)
         counts[base] = k + 1
         out = new.create_node(node.op, node.target, arg(node.args), arg(node.kwargs),
-                              name=namer.name(None if path else (graph.code or graph.frame), base, k))
+                              name=namer.name(None if inner and site is None else frame_key, base, k))
         out.meta.update(meta)
         fx_meta(out)["module"] = path
         if typ is not None:

@@ -34,11 +34,13 @@ from fxdebug.authoring.pipeline import Pass, PassManager
 from fxdebug.capture.live import _global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, compiler_label, outer_compiler
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
+from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.live_blame import guard_error
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
@@ -127,6 +129,7 @@ class LiveInstrumented(Instrumented):
         """
         refuse_tracing(self._model)  # torch.jit.trace / onnx export: a typed error pointing to to_module() (issue 35 B14)
         self.__dict__["_calls"] += 1
+        self.__dict__["_site_counts"] = {}  # each call counts its call sites afresh (capture/dynamo_sites.py)
         if _global_hook_count() != self.__dict__["_globals"]:
             self.__dict__["_calls"] -= 1
             raise TraceError(
@@ -148,7 +151,7 @@ class LiveInstrumented(Instrumented):
                         raise
         except FxDebugError as exc:
             if exc.__dict__.get(_WHILE_INSTRUMENTING):  # a new graph's ops failed on these arguments while its shapes
-                guarded = self._guarded(args, kwargs)  # were learnt: a pass's guard from the earlier graphs comes first
+                guarded = guard_error(self._guarded(args, kwargs))  # were learnt: a pass's guard from the earlier graphs
                 if guarded is not None:  # (ShapeAssert's expected vs produced), as when Dynamo's own capture fails
                     raise guarded from exc
             raise
@@ -249,6 +252,7 @@ class LiveInstrumented(Instrumented):
 
     # -- the session Dynamo's graphs run in ---------------------------------------------------------
     def run_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> Any:
+        graph = at_site(self.__dict__, self._model, graph)  # one part per call site (capture/dynamo_sites.py)
         found = self.__dict__["_parts"].get(graph)
         if found is None:
             found = self._instrument_graph(graph, args)
