@@ -222,3 +222,44 @@ def test_tracing_a_live_module_points_to_to_module():
         _onnx_export(dbg, x)
     traced = torch.jit.trace(dbg.to_module(), (x,))
     torch.testing.assert_close(traced(x), model(x))
+
+
+# -- B15: the headline names the op that failed ------------------------------------------------------------------
+class Positions(nn.Module):
+    """GPT-2's embedding in miniature: ``view(-1, length)``, then a position table of 16 rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(50, 8)
+        self.pos = nn.Embedding(16, 8)
+
+    def forward(self, ids):
+        ids = ids.view(-1, ids.shape[-1])
+        where = torch.arange(ids.shape[-1]).unsqueeze(0)
+        return self.tok(ids) + self.pos(where)
+
+
+def test_too_long_input_blames_the_position_embedding_not_an_older_graphs_view():
+    from fxdebug.errors import FxDebugError
+
+    dbg = fxdebug.instrument(Positions(), [NaNCheck(), StatCollector()], example_inputs=(torch.randint(0, 50, (1, 8)),))
+    with pytest.raises(IndexError):  # plain torch
+        Positions()(torch.randint(0, 50, (1, 20)))
+    with pytest.raises(FxDebugError) as info:
+        dbg(torch.randint(0, 50, (1, 20)))
+    assert info.value.module == "pos", str(info.value)
+    assert "index out of range" in info.value.message
+    assert "view" not in info.value.message.split(":")[0]
+
+
+def test_gpt2_past_its_positions_blames_wpe():
+    transformers = pytest.importorskip("transformers")
+    from fxdebug.errors import FxDebugError
+
+    cfg = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=8, n_layer=1, n_head=2, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(torch.randint(0, 100, (1, 8)),))
+    with pytest.raises(FxDebugError) as info:
+        dbg(torch.randint(0, 100, (1, 20)))
+    assert info.value.module == "transformer.wpe", str(info.value)
+    assert "index out of range" in info.value.message

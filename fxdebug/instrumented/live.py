@@ -40,6 +40,7 @@ from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.live_blame import guard_error
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
@@ -150,7 +151,7 @@ class LiveInstrumented(Instrumented):
                         raise
         except FxDebugError as exc:
             if exc.__dict__.get(_WHILE_INSTRUMENTING):  # a new graph's ops failed on these arguments while its shapes
-                guarded = self._guarded(args, kwargs)  # were learnt: a pass's guard from the earlier graphs comes first
+                guarded = guard_error(self._guarded(args, kwargs))  # were learnt: a pass's guard from the earlier graphs
                 if guarded is not None:  # (ShapeAssert's expected vs produced), as when Dynamo's own capture fails
                     raise guarded from exc
             raise
