@@ -29,8 +29,9 @@ from torch.fx import Graph, GraphModule
 from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _push_mode,
                                           any_torch_dispatch_mode_on_stack)
 
-from fxdebug.authoring.context import NAMESPACE, PassContext
-from fxdebug.authoring.pipeline import Pass, PassManager
+from fxdebug.authoring.context import NAMESPACE
+from fxdebug.authoring.pipeline import Pass
+from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.live import _global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, compiler_label, outer_compiler
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
@@ -49,7 +50,6 @@ from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows, channel_maxima
 from fxdebug.report.report import Report, merge_reports
 from fxdebug.runtime.columns import resolve_columns
-from fxdebug.runtime.lower import lower_observers
 from fxdebug.runtime.observer import Observer
 
 __all__ = ["LiveInstrumented"]
@@ -291,7 +291,7 @@ class LiveInstrumented(Instrumented):
             part.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
             inputs = Inputs(*[args[i] for i in prepared.keep])
             try:
-                part = run_passes(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
+                part = run_part(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
             except FxDebugError as exc:
                 exc.__dict__[_WHILE_INSTRUMENTING] = True
                 raise
@@ -544,17 +544,3 @@ def GraphModule_recompile(gm: Any) -> Any:  # noqa: N802 - GraphModule.recompile
     from torch.fx import GraphModule
 
     return GraphModule.recompile(gm)
-
-
-def run_passes(part: Instrumented, passes: Sequence[Pass], inputs: Any, prior: Report | None = None) -> Instrumented:
-    """Run ``passes`` over one graph, on the inputs it is called with; observers lowered."""
-    ctx = PassContext(inputs, prior_report=prior)
-    ctx.specs(part)
-    manager = PassManager(list(passes))
-    new = manager.run(part, ctx)
-    if any(not p.observe_only for p in passes):
-        ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
-    lower_observers(new)  # fused observers become direct op calls (runtime/lower.py)
-    graph_record(new).passes.extend(manager.results)
-    assert isinstance(new, Instrumented)
-    return new

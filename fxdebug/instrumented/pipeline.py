@@ -2,7 +2,8 @@
 
 ``capture_module`` turns a frontend's ``Capture`` into the ``Instrumented`` module (one graph of
 the whole model, or an eager root routing to captured submodules); ``run_pipeline`` runs the
-passes over every part, each on the inputs that part is called with. ``recapture`` is both
+passes over every part, each on the inputs that part is called with, through the one pass runner
+(``authoring.run_part``, which the live capture's graphs go through too). ``recapture`` is both
 together, for a module that must be captured again by the frontend it was made with (another
 training mode: ``modes``; a call of another signature: ``recapture``). The ``Recipe`` those
 modules keep is data (model, frontend, inputs, options, passes) and this function, on their own
@@ -14,26 +15,22 @@ Import order inside ``instrumented/``: ``modes`` → ``module`` → ``subtrees``
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from torch import nn
 
-from fxdebug.authoring.context import PassContext
-from fxdebug.authoring.pipeline import Pass, PassManager
+from fxdebug.authoring.pipeline import Pass
+from fxdebug.authoring.run_part import paused_gc, run_part
 from fxdebug.capture.base import Capture, Frontend, TraceOptions
 from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
 from fxdebug.capture.subtrees import SubtreesFrontend
 from fxdebug.errors import MissingInputsError
 from fxdebug.graph.inputs import Inputs, normalize_inputs
-from fxdebug.graph.meta import graph_record
 from fxdebug.graph.usage import check_example_inputs, check_where_matched
 from fxdebug.instrumented.modes import remember
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.subtrees import subtrees_module
 from fxdebug.report.report import Report
-from fxdebug.runtime.lower import lower_observers
 
 __all__ = ["FRONTENDS", "capture_module", "module_from_capture", "recapture", "run_pipeline"]
 
@@ -46,40 +43,6 @@ def module_from_capture(model: nn.Module, capture: Capture) -> Instrumented:
     if [part.path for part in capture.parts] == [""]:
         return Instrumented.from_capture(model, capture)
     return subtrees_module(model, capture)
-
-
-# Objects allocated (net) while paused above which they are promoted, not scanned, on resuming:
-# ~10 per node, so graphs of a few thousand nodes and up.
-PROMOTE_AT = 20_000
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """The cyclic garbage collector paused while a graph is built (then restored as it was).
-
-    Capture, passes and lowering allocate several objects per node and free almost none; the
-    collector's full sweeps over them grow with the graph (~1 s of a 10k-node ``instrument()``).
-    Reference counting frees as usual.
-
-    On resuming, what was allocated meanwhile (the graph: nodes, metadata, observers; it lives as
-    long as the module) joins the oldest generation at once (``gc.freeze()`` + ``gc.unfreeze()``,
-    which moves the young generations there without scanning them) when it is more than
-    ``PROMOTE_AT`` objects: otherwise the first young collection after resuming walks all of it
-    (~0.08 s of a 10k-node ``instrument()``, ~0.7 s at 100k) and the middle one walks it again
-    later, only to move it to where it ends anyway. Cycles that became garbage in the young
-    generations are then freed by the next full collection instead of a young one (capture and
-    passes leave few: the tracer's tables are cleared by the capture). Not done when the process
-    froze objects itself (``gc.get_freeze_count()``): ``unfreeze`` would release those too."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            if gc.get_count()[0] > PROMOTE_AT and not gc.get_freeze_count():
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def capture_module(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
@@ -112,17 +75,8 @@ def _run_pipeline(gm: Instrumented, pass_list: list[Pass], example_inputs: Any, 
                              "with example_inputs before instrumenting it.", module=path)
         else:
             inputs = example_inputs
-        ctx = PassContext(inputs, prior_report=prior)
-        if ctx.inputs is not None:
-            ctx.specs(part)
-        manager = PassManager(pass_list)
-        new = manager.run(part, ctx)
-        if ctx.inputs is not None and (not observe_only or recorded is not None):
-            ctx.specs(new)  # a transform made new nodes: learn their shapes for the report and picture
-        ctx.invalidate()  # the shapes are in the nodes' metadata now: the cached specs go before lowering (peak memory)
-        lower_observers(new)  # fused observers become direct op calls (runtime/lower.py)
-        graph_record(new).passes.extend(manager.results)
-        gm = gm.replace_part(path, new)  # type: ignore[arg-type]
+        new = run_part(part, pass_list, inputs, prior, relearn=not observe_only or recorded is not None)
+        gm = gm.replace_part(path, new)
     return gm
 
 
