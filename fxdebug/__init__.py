@@ -18,33 +18,164 @@ metadata, selection, rewriting). Built-in passes live in ``fxdebug.passes``; ``f
 implementation. Pass-author names are still attributes here for older code.
 """
 
-from fxdebug.numerics.collect import collect
-from fxdebug.runtime.columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
-from fxdebug.authoring.context import PassContext, TensorSpec
-from fxdebug.errors import ArgumentTypeError, DeviceMismatchError, DistributedError, FxDebugError, InplaceError, MissingInputsError, NonFiniteError, PassError, ShapeMismatchError, TraceError, UsageError, VerificationError
-from fxdebug.numerics.gradcheck import GradcheckResult, gradcheck
-from fxdebug import when
-from fxdebug.instrumented.networkx import to_networkx
-from fxdebug import authoring
-from fxdebug.api import instrument, render, trace
-from fxdebug.render.draw import RenderOptions
-from fxdebug.instrumented.module import Instrumented
-from fxdebug import numerics
-from fxdebug.numerics import diff, precision_plan, repro
-from fxdebug.numerics.align import Alignment, align
-from fxdebug.graph.module_outputs import outputs_of
-from fxdebug.graph.meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
-from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
-from fxdebug.graph.classify import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
-from fxdebug.authoring.pipeline import Pass, PassManager, PassResult, graph_pass, node_pass
-from fxdebug.report.report import Report
-from fxdebug import plot
-from fxdebug.numerics.sensitivity import Sensitivity, sensitivity
-from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
-from fxdebug.graph.select import Where, matches
-from fxdebug.capture.symbolic import Inputs, LeafInfo, TraceInfo
-from fxdebug.instrumented.verify import Verification, verify
-from fxdebug.training.guard import guard
+# Every public name is loaded on first use (PEP 562): ``import fxdebug`` costs ``import torch`` and
+# little more, and the heavy parts (Dynamo's tracer, torch.export, the renderer, numerics) load when a
+# name that needs them is first touched. Names and where they live, one table; type checkers read the
+# same imports below (tests/test_startup.py checks the two agree and that each name resolves).
+import sys as _sys
+from types import ModuleType as _ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fxdebug.numerics.collect import collect
+    from fxdebug.runtime.columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
+    from fxdebug.authoring.context import PassContext, TensorSpec
+    from fxdebug.errors import ArgumentTypeError, DeviceMismatchError, DistributedError, FxDebugError, InplaceError, MissingInputsError, NonFiniteError, PassError, ShapeMismatchError, TraceError, UsageError, VerificationError
+    from fxdebug.numerics.gradcheck import GradcheckResult, gradcheck
+    from fxdebug import when
+    from fxdebug.instrumented.networkx import to_networkx
+    from fxdebug import authoring
+    from fxdebug.api import instrument, render, trace
+    from fxdebug.render.draw import RenderOptions
+    from fxdebug.instrumented.module import Instrumented
+    from fxdebug import numerics
+    from fxdebug.numerics import diff, precision_plan, repro
+    from fxdebug.numerics.align import Alignment, align
+    from fxdebug.graph.module_outputs import outputs_of
+    from fxdebug.graph.meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
+    from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
+    from fxdebug.graph.classify import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
+    from fxdebug.authoring.pipeline import Pass, PassManager, PassResult, graph_pass, node_pass
+    from fxdebug.report.report import Report
+    from fxdebug import plot
+    from fxdebug.numerics.sensitivity import Sensitivity, sensitivity
+    from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
+    from fxdebug.graph.select import Where, matches
+    from fxdebug.capture.symbolic import Inputs, LeafInfo, TraceInfo
+    from fxdebug.instrumented.verify import Verification, verify
+    from fxdebug.training.guard import guard
+
+_LAZY: dict[str, str] = {
+    "Alignment": "fxdebug.numerics.align",
+    "ArgumentTypeError": "fxdebug.errors",
+    "COLOR": "fxdebug.runtime.columns",
+    "Column": "fxdebug.runtime.columns",
+    "DeviceMismatchError": "fxdebug.errors",
+    "DistributedError": "fxdebug.errors",
+    "FusedProbe": "fxdebug.runtime.observer",
+    "FusedStats": "fxdebug.runtime.observer",
+    "FxDebugError": "fxdebug.errors",
+    "GradcheckResult": "fxdebug.numerics.gradcheck",
+    "HIDDEN": "fxdebug.runtime.columns",
+    "InplaceError": "fxdebug.errors",
+    "Inputs": "fxdebug.capture.symbolic",
+    "Instrumented": "fxdebug.instrumented.module",
+    "LeafInfo": "fxdebug.capture.symbolic",
+    "Match": "fxdebug.authoring.rewrite",
+    "MissingInputsError": "fxdebug.errors",
+    "NONFINITE": "fxdebug.runtime.columns",
+    "NonFiniteError": "fxdebug.errors",
+    "ORIGIN": "fxdebug.runtime.columns",
+    "ObservationContext": "fxdebug.runtime.observer",
+    "Observer": "fxdebug.runtime.observer",
+    "Pass": "fxdebug.authoring.pipeline",
+    "PassContext": "fxdebug.authoring.context",
+    "PassError": "fxdebug.errors",
+    "PassManager": "fxdebug.authoring.pipeline",
+    "PassResult": "fxdebug.authoring.pipeline",
+    "Probe": "fxdebug.runtime.observer",
+    "Reductions": "fxdebug.runtime.observer",
+    "RenderOptions": "fxdebug.render.draw",
+    "Replacement": "fxdebug.authoring.rewrite",
+    "Report": "fxdebug.report.report",
+    "SAMPLE": "fxdebug.runtime.observer",
+    "Sensitivity": "fxdebug.numerics.sensitivity",
+    "ShapeMismatchError": "fxdebug.errors",
+    "TensorSpec": "fxdebug.authoring.context",
+    "TraceError": "fxdebug.errors",
+    "TraceInfo": "fxdebug.capture.symbolic",
+    "UsageError": "fxdebug.errors",
+    "VALUE": "fxdebug.runtime.columns",
+    "Verification": "fxdebug.instrumented.verify",
+    "VerificationError": "fxdebug.errors",
+    "Where": "fxdebug.graph.select",
+    "align": "fxdebug.numerics.align",
+    "authoring": "fxdebug.authoring",
+    "collect": "fxdebug.numerics.collect",
+    "describe": "fxdebug.graph.meta",
+    "diff": "fxdebug.numerics",
+    "find_pattern": "fxdebug.authoring.rewrite",
+    "fx_meta": "fxdebug.graph.meta",
+    "get_module": "fxdebug.graph.classify",
+    "gradcheck": "fxdebug.numerics.gradcheck",
+    "graph_pass": "fxdebug.authoring.pipeline",
+    "guard": "fxdebug.training.guard",
+    "instrument": "fxdebug.api",
+    "is_batchnorm": "fxdebug.graph.classify",
+    "is_conv": "fxdebug.graph.classify",
+    "is_inplace": "fxdebug.graph.classify",
+    "is_instrumentation": "fxdebug.graph.meta",
+    "is_kind": "fxdebug.graph.classify",
+    "is_linear": "fxdebug.graph.classify",
+    "is_relu": "fxdebug.graph.classify",
+    "is_view": "fxdebug.graph.classify",
+    "keep_state": "fxdebug.authoring.rewrite",
+    "matches": "fxdebug.graph.select",
+    "module_path": "fxdebug.graph.meta",
+    "module_type": "fxdebug.graph.meta",
+    "node_pass": "fxdebug.authoring.pipeline",
+    "node_values": "fxdebug.authoring.rewrite",
+    "numerics": "fxdebug.numerics",
+    "op_label": "fxdebug.graph.meta",
+    "outputs_of": "fxdebug.graph.module_outputs",
+    "plot": "fxdebug.plot",
+    "precision_plan": "fxdebug.numerics",
+    "register_kind": "fxdebug.graph.classify",
+    "render": "fxdebug.api",
+    "replace_pattern": "fxdebug.authoring.rewrite",
+    "repro": "fxdebug.numerics",
+    "sensitivity": "fxdebug.numerics.sensitivity",
+    "source_line": "fxdebug.graph.meta",
+    "systematic_sample": "fxdebug.runtime.observer",
+    "to_networkx": "fxdebug.instrumented.networkx",
+    "trace": "fxdebug.api",
+    "verify": "fxdebug.instrumented.verify",
+    "when": "fxdebug.when",
+}
+_SUBMODULES = {name for name, where in _LAZY.items() if where == f"fxdebug.{name}"}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib.util
+
+    where = _LAZY.get(name)
+    if where is None:  # a subpackage not imported yet (``fxdebug.api``): as an eager package would have it
+        if name.startswith("_") or importlib.util.find_spec(f"fxdebug.{name}") is None:
+            raise AttributeError(f"module 'fxdebug' has no attribute {name!r}")
+        return importlib.import_module(f"fxdebug.{name}")
+    module = importlib.import_module(where)
+    value = module if name in _SUBMODULES else getattr(module, name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+class _Package(_ModuleType):
+    """This package's module type. The first import of a subpackage sets it as an attribute of the
+    package (the import system's rule): ``fxdebug/render/`` would then hide the public ``render()``
+    function. A public name is never replaced by a module that way; it resolves as ``_LAZY`` says."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, _ModuleType) and name in _LAZY and name not in _SUBMODULES:
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

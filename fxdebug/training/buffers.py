@@ -33,6 +33,7 @@ from fxdebug.training.restore import _copies_on_device, _copy_if, _native_copies
 __all__ = ["BufferPlan", "model_buffers"]
 
 _CPU = torch.device("cpu")
+_GET: Any = dict.get  # (typed Any: map() over dict.get's overloads)
 _NAMESPACE = "fxdebug"  # fxdebug's own modules on an instrumented model: its observer state is not the model's
 
 
@@ -56,7 +57,11 @@ class BufferPlan:
         slots = model_buffers(model)
         self.dicts = [d for d, _ in slots]
         self.names = [n for _, n in slots]
-        self._build(list(map(dict.get, self.dicts, self.names)))
+        self._build(self._held())
+
+    def _held(self) -> list[Any]:
+        """What each buffer slot holds now (a C-level walk: no Python per buffer)."""
+        return list(map(_GET, self.dicts, self.names))
 
     def _build(self, current: list[Tensor]) -> None:
         self.tensors = current  # (what the slots held when the plan was made: the identity to match)
@@ -92,7 +97,9 @@ class BufferPlan:
     def after_step(self, bad: Tensor) -> None:
         """``bad`` (0-d float32, 1.0 when the step was taken back): the buffers back to the copy when
         bad, else the copy brought up to them. No host sync."""
-        current = list(map(dict.get, self.dicts, self.names))
+        if not self.dicts:
+            return  # a model without buffers: nothing to take back
+        current = self._held()
         if len(current) != len(self.tensors) or not all(map(operator.is_, current, self.tensors)):
             self._replaced(current, bad)
             return
@@ -126,4 +133,4 @@ class BufferPlan:
                 torch.where(_on(bad, t.device) > 0, b, t.detach(), out=t.detach())
         slots = [(d, n) for d, n in zip(self.dicts, self.names) if isinstance(d.get(n), Tensor)]
         self.dicts, self.names = [d for d, _ in slots], [n for _, n in slots]
-        self._build(list(map(dict.get, self.dicts, self.names)))
+        self._build(self._held())

@@ -33,13 +33,13 @@ when asked); ``g.skipped_steps`` lists them, with the node that made the NaN whe
 from __future__ import annotations
 
 import operator
+import sys
 from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
 from fxdebug.errors import ArgumentTypeError, UsageError
-from fxdebug.instrumented.module import Instrumented
 from fxdebug.runtime import kernel
 from fxdebug.training.buffers import BufferPlan
 from fxdebug.training.restore import _on, _Plan, _live
@@ -112,7 +112,7 @@ class Guard(torch.optim.Optimizer):
     _buffers: dict[int, tuple[Tensor, Tensor]]
 
     def __init__(self, optimizer: torch.optim.Optimizer, dbg: Any = None) -> None:
-        self.__dict__.update(optimizer=optimizer, dbg=dbg if isinstance(dbg, Instrumented) else None, steps=0, _skipped=None, _log=None, _origin_log=None,
+        self.__dict__.update(optimizer=optimizer, dbg=dbg if _instrumented(dbg) else None, steps=0, _skipped=None, _log=None, _origin_log=None,
                              _ring=None, _ring_slots=(), _origin_ring=None, _ring_steps=[], _watch=None, _buffers={}, _plan=None,
                              _found={}, _all_state=None,
                              _model_buffers=BufferPlan(dbg) if isinstance(dbg, nn.Module) else None)
@@ -429,6 +429,13 @@ class Guard(torch.optim.Optimizer):
             if origins is not None:
                 origins[0].copy_(origins[n])
         del steps[:n]
+
+def _instrumented(dbg: Any) -> bool:
+    """Whether ``dbg`` is an ``fxdebug.Instrumented`` model, without importing it (and Dynamo with it)
+    when nothing has: no model can be one before its module is imported."""
+    module = sys.modules.get("fxdebug.instrumented.module")
+    return module is not None and isinstance(dbg, module.Instrumented)
+
 
 def _prepare_group(opt: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """On an accelerator, a non-fused Adam-style step count lives on the host; the guard cannot take
