@@ -102,9 +102,9 @@ def _masks(module: nn.Module) -> dict[tuple[str, str], torch.Tensor]:
     path = getattr(module, "path", None)
     if not isinstance(path, str):
         return {}
-    value = getattr(module, "mask_value", None)
-    if isinstance(value, torch.Tensor) and isinstance(getattr(module, "name", None), str):
-        return {(path, module.name): value}
+    value, name = getattr(module, "mask_value", None), getattr(module, "name", None)
+    if isinstance(value, torch.Tensor) and isinstance(name, str):
+        return {(path, name): value}
     names, mask = getattr(module, "names", None), getattr(module, "mask", None)
     if isinstance(names, list) and callable(mask):
         return {(path, n): mask(n) for n in names}
@@ -145,10 +145,8 @@ def carry_transform_state(parts: list[nn.Module], snapshot: nn.Module) -> None:
 
 
 def _copy_state(source: nn.Module, dest: nn.Module) -> None:
-    have = dict(source.named_parameters(recurse=True))
-    have.update(source.named_buffers(recurse=True))
-    want = dict(dest.named_parameters(recurse=True))
-    want.update(dest.named_buffers(recurse=True))
+    have: dict[str, torch.Tensor] = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+    want: dict[str, torch.Tensor] = {**dict(dest.named_parameters()), **dict(dest.named_buffers())}
     if set(have) != set(want) or any(have[k].shape != want[k].shape for k in want):
         return  # another structure: the snapshot's own transform stands
     with torch.no_grad():
