@@ -15,8 +15,9 @@ second plain loop (``plain again``) shows the noise of the figure itself. Each r
     OMP_NUM_THREADS=1 python tools/bench_training.py [--what probes|aids|all] [--repeats 5] [--rounds 25] [--steps 20]
         [--batch 8 32] [--only SGD AdamW] [--norm layer|batch] [--guard-model]
 
-``--guard-model`` passes the model to the guard (``dbg=model``: a skipped step also takes back its
-buffers; a good one copies them, ``--norm batch`` gives the blocks running statistics to copy).
+``--guard-model`` adds a variant that passes the model to the guard (``dbg=model``: a skipped step
+also takes back its buffers, a good one copies them; ``--norm batch`` gives the blocks running
+statistics to copy), paired in the same rounds as ``guard(opt)``: the difference is that cost.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class TokenBatchNorm(nn.BatchNorm1d):
 
 
 NORM = {"layer": nn.LayerNorm, "batch": TokenBatchNorm}
-SETTINGS = {"norm": "layer", "guard_model": False}  # set from the command line
+SETTINGS = {"norm": "layer"}  # set from the command line
 
 
 class Block(nn.Module):
@@ -81,8 +82,8 @@ def loop(variant: str, make_opt: Callable[[Any], torch.optim.Optimizer], width: 
     batch's gradients kept (caches warm: the aid's own work, with the least noise)."""
     net = model(width, depth)
     opt: Any = make_opt(net.parameters())
-    if variant == "guard":
-        opt = fxdebug.guard(opt, dbg=net if SETTINGS["guard_model"] else None)
+    if variant in ("guard", "guard_model"):
+        opt = fxdebug.guard(opt, dbg=net if variant == "guard_model" else None)
     elif variant == "param_updates":
         ParamUpdates(opt)  # hooks the optimizer's step; the model itself stays plain
     gen = torch.Generator().manual_seed(1)
@@ -177,7 +178,9 @@ def aids(args: argparse.Namespace) -> None:
           f"sample; {args.rounds} rounds x {args.steps} steps, the variants' steps interleaved one by one; loop: 1 + the "
           f"median (quartiles) of each step's paired difference to the plain loop's over its time; step +us: the same "
           f"for step() alone in the loop; hot +us: step() alone, {args.steps} steps on kept gradients, per round")
-    variants = ("plain", "plain again", "guard", "param_updates")
+    variants: tuple[str, ...] = ("plain", "plain again", "guard", "param_updates")
+    if args.guard_model:  # the guard given the model too (its buffers taken back), paired in the same rounds
+        variants = ("plain", "plain again", "guard", "guard_model", "param_updates")
     print(f"{'optimizer':<16} {'batch':>5} {'plain ms':>8} {'plain again (noise)':>20} {'guard loop':>20} "
           f"{'guard step +us':>18} {'-> ratio':>8} {'hot +us':>14} {'-> ratio':>8} {'ParamUpdates loop':>20} "
           f"{'PU step +us':>18} {'-> ratio':>8} {'hot +us':>14} {'-> ratio':>8}")
@@ -221,6 +224,9 @@ def aids(args: argparse.Namespace) -> None:
             print(f"{name:<16} {batch:>5} {plain_s * 1e3:>8.2f} {ratio('plain again'):>20} {ratio('guard'):>20} "
                   f"{step_cost('guard'):>27} {hot_cost('guard'):>23} {ratio('param_updates'):>20} "
                   f"{step_cost('param_updates'):>27} {hot_cost('param_updates'):>23}", flush=True)
+            if "guard_model" in times:
+                print(f"{'  guard(opt, dbg=model)':<22} {ratio('guard_model'):>20} step {step_cost('guard_model'):>27} "
+                      f"hot {hot_cost('guard_model'):>23}", flush=True)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
@@ -238,9 +244,9 @@ def main() -> None:
     ap.add_argument("--norm", choices=sorted(NORM), default="layer",
                     help="aids: the blocks' norm (batch: running statistics, buffers written in forward)")
     ap.add_argument("--guard-model", action="store_true",
-                    help="aids: fxdebug.guard(opt, dbg=model), which also takes back the model's buffers")
+                    help="aids: also fxdebug.guard(opt, dbg=model), which takes back the model's buffers too")
     args = ap.parse_args()
-    SETTINGS.update(norm=args.norm, guard_model=args.guard_model)
+    SETTINGS.update(norm=args.norm)
     if args.what in ("probes", "all"):
         probes(args)
     if args.what in ("aids", "all"):
