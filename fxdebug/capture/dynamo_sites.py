@@ -35,7 +35,7 @@ from torch import nn
 
 from fxdebug.capture.dynamo import DynamoGraph
 
-__all__ = ["Site", "SitedGraph", "at_site", "call_site"]
+__all__ = ["Site", "SitedGraph", "at_site", "call_site", "root_codes"]
 
 _MODULE_PY = os.path.normcase(os.path.abspath(sys.modules[nn.Module.__module__].__file__ or ""))
 _TORCH = os.path.join(os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__ or ""))), "")
@@ -135,7 +135,8 @@ def _module_path(state: dict[str, Any], model: nn.Module, module: Any) -> str:
     return found
 
 
-def _root_codes(model: nn.Module) -> set[str]:
+def root_codes(model: nn.Module) -> set[str]:
+    """The code keys (``file:function:first line``) of ``model``'s forward, and of what a decorator wraps."""
     out = set()
     forward = getattr(type(model), "forward", None)
     while forward is not None:  # a decorated forward (``functools.wraps``): the wrapper and what it wraps
@@ -154,9 +155,10 @@ def call_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph, frame
     ``state`` is the live module's: the occurrence counters of the current call (``_site_counts``), the
     module-path table, the root forward's code.
     """
+    state["_graphs_this_call"] = state.get("_graphs_this_call", 0) + 1  # (instrumented/live_skips.py reads it)
     roots = state.get("_site_roots")
     if roots is None:
-        roots = state["_site_roots"] = _root_codes(model)
+        roots = state["_site_roots"] = root_codes(model)
     if graph.code in roots or graph.code.startswith(_FXDEBUG_RAW):  # the model's forward, or the entry Dynamo inlined it in
         return None
     function, caller, module = _walk(frame)

@@ -45,6 +45,7 @@ from fxdebug.instrumented.live_blame import guard_error
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
+from fxdebug.instrumented.live_skips import watched
 from fxdebug.instrumented.live_report import _global_calls, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import _merge_rows, channel_maxima
@@ -145,7 +146,7 @@ class LiveInstrumented(Instrumented):
                 # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
                 with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
                     try:
-                        out = self._entry_now()(*args, **kwargs)
+                        out = watched(self, self._entry_now())(*args, **kwargs)  # skipped frames noted (live_skips.py)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
                         self._raise_typed(args, kwargs, exc)
                         raise
