@@ -38,6 +38,7 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from fxdebug import ShapeMismatchError
+from .shape_rules import Meta, meta_of, rule_for
 from fxdebug.authoring import FusedProbe, ObservationContext, Options, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
 
 __all__ = ["ShapeAssert"]
@@ -94,7 +95,7 @@ class ShapeProbe(Probe):
             got, want = f"{_dt(x.dtype)} {got}", f"{_dt(self.dtype)} {want}"
         shown = []
         for (name, symbols), value in zip(self.inputs, inputs):
-            if isinstance(value, Tensor) and symbols is not None:  # None: a weight read as an input (not shown)
+            if isinstance(value, (Tensor, Meta)) and symbols is not None:  # None: a weight read as an input (not shown)
                 shown.append(render(value.shape, symbols if len(symbols) == 0 or max(symbols) < value.dim() else {}))
         ins = f" Inputs: {', '.join(shown)}." if shown else ""
         at = f" Defined at {self.where}." if self.where else ""
@@ -402,58 +403,86 @@ class _ShapeGuard:
         self.verified.add(sig)
 
     def _fake_run(self, sig: tuple[Any, ...], check: bool) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        """Every node's shape for the input signature ``sig``: from the shape rules where a node has
+        one (``shape_rules``: microseconds, no tensor made), else from a fake-tensor run of that node
+        alone (``FakeTensorMode``: shapes only, nothing of the model read or written). Linear in the
+        graph: a module call reads only its own parameters."""
         from torch.fx.node import map_arg
 
         gm = self.gm
-        mode = FakeTensorMode(allow_non_fake_inputs=False)
-        state = {k: mode.from_tensor(v) for k, v in itertools.chain(gm.named_parameters(), gm.named_buffers())}
-        by_module: dict[str, dict[str, Tensor]] = {}
-        for k, v in state.items():
-            prefix, _, leaf = k.rpartition(".")
-            by_module.setdefault(prefix, {})[leaf] = v
-
-        def module_state(path: str) -> dict[str, Tensor]:
-            out = {}
-            for prefix, params in by_module.items():
-                if prefix == path or prefix.startswith(path + "."):
-                    rel = prefix[len(path) + 1:] if prefix != path else ""
-                    out.update({(f"{rel}.{k}" if rel else k): v for k, v in params.items()})
-            return out
-
+        fakes = _Fakes()
         env: dict[Node, Any] = {}
         inputs = dict(zip(self.inputs, sig))
-        with mode:
-            for node in gm.graph.nodes:
-                if fxdebug.is_instrumentation(node):
-                    continue
-                if node.op == "placeholder":
-                    spec = inputs.get(node.name)
-                    env[node] = None if spec is None else torch.empty(spec[0], dtype=spec[1], device=spec[2])
-                    continue
-                if node.op == "output":
-                    break
-                args = map_arg(node.args, lambda n: env.get(n))
-                kwargs = map_arg(node.kwargs, lambda n: env.get(n))
-                if node.op == "get_attr":
-                    target = str(node.target)
-                    value: Any = state.get(target)
-                    if value is None:
-                        value = gm
-                        for part in target.split("."):
-                            value = getattr(value, part)
-                        if isinstance(value, Tensor):
-                            value = mode.from_tensor(value)
-                    env[node] = value
-                elif node.op == "call_module":
-                    path = str(node.target)
-                    env[node] = torch.func.functional_call(gm.get_submodule(path), module_state(path), args, kwargs)
-                elif node.op == "call_function":
-                    env[node] = node.target(*args, **kwargs)
-                elif node.op == "call_method":
-                    self_, *rest = args
-                    env[node] = getattr(self_, str(node.target))(*rest, **kwargs)
-                probe = self.probes.get(node.name)
-                if check and probe is not None and isinstance(env[node], Tensor):
-                    probe.check(env[node], tuple(env.get(a) for a in node.all_input_nodes
-                                                 if not fxdebug.is_instrumentation(a)))
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                break
+            if fxdebug.is_instrumentation(node):
+                continue
+            if node.op == "placeholder":
+                spec = inputs.get(node.name)
+                env[node] = None if spec is None else Meta(tuple(spec[0]), spec[1], torch.device(spec[2]))
+                continue
+            if node.op == "get_attr":
+                value: Any = gm
+                for part in str(node.target).split("."):
+                    value = getattr(value, part)
+                env[node] = value  # a real tensor: its fake keeps what from_tensor keeps; rules read its Meta
+                continue
+            target: Any = gm.get_submodule(str(node.target)) if node.op == "call_module" else node.target
+            rule = rule_for(node.op, target)
+            out = None
+            if rule is not None:
+                out = rule(target, map_arg(node.args, lambda n: _ruled(env.get(n))),
+                           map_arg(node.kwargs, lambda n: _ruled(env.get(n))))
+            if out is None:
+                out = fakes.run(node, target, map_arg(node.args, lambda n: env.get(n)),
+                                map_arg(node.kwargs, lambda n: env.get(n)))
+            env[node] = out
+            probe = self.probes.get(node.name)
+            if check and probe is not None and meta_of(out) is not None:
+                probe.check(meta_of(out), tuple(meta_of(env.get(a)) or env.get(a) for a in node.all_input_nodes
+                                                if not fxdebug.is_instrumentation(a)))
+
+
+def _ruled(value: Any) -> Any:
+    """What a shape rule reads for a value: a tensor as its ``Meta``, anything else as it is."""
+    return meta_of(value) if isinstance(value, Tensor) else value
+
+
+class _Fakes:
+    """The fake-tensor side of a check: one ``FakeTensorMode`` (made at the first node without a shape
+    rule), the nodes without a rule run in it on fake copies of their inputs and own parameters."""
+
+    def __init__(self) -> None:
+        self.mode: Any = None
+        self._fake_type: Any = ()  # FakeTensor, once the mode exists
+        self.made: dict[int, Tensor] = {}  # id(real tensor) -> its fake (a parameter shared by two modules)
+
+    def fake(self, value: Any) -> Any:
+        if isinstance(value, Meta):
+            return torch.empty(value.shape, dtype=value.dtype, device=value.device)  # under the mode: a fake
+        if isinstance(value, Tensor) and not isinstance(value, self._fake_type):
+            found = self.made.get(id(value))
+            if found is None:
+                found = self.made[id(value)] = self.mode.from_tensor(value)
+            return found
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.fake(v) for v in value) if not hasattr(value, "_fields") else value
+        if isinstance(value, dict):
+            return {k: self.fake(v) for k, v in value.items()}
+        return value
+
+    def run(self, node: Node, target: Any, args: Any, kwargs: Any) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+        if self.mode is None:
+            self.mode, self._fake_type = FakeTensorMode(allow_non_fake_inputs=False), FakeTensor
+        with self.mode:
+            args, kwargs = self.fake(args), self.fake(kwargs)
+            if node.op == "call_module":
+                state = {k: self.fake(v) for k, v in itertools.chain(target.named_parameters(), target.named_buffers())}
+                return torch.func.functional_call(target, state, args, kwargs)
+            if node.op == "call_function":
+                return target(*args, **kwargs)
+            self_, *rest = args
+            return getattr(self_, str(target))(*rest, **kwargs)
