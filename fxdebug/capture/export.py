@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from fxdebug.errors import MissingInputsError, ShapeMismatchError, TraceError
 from fxdebug.capture.faithful import clean_graph_meta
 from fxdebug.capture.faithful_export import export_shell, watched_export
+from fxdebug.capture.faithful_reads import config_guards
 from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import untouched_state
 from fxdebug.graph.meta import _clean_export_path, fx_meta
@@ -251,6 +252,16 @@ def _model_attr(model: nn.Module, target: str) -> Any:
     return obj
 
 
+def _plain_tensor(model: nn.Module, target: str) -> bool:
+    """True if ``target`` names a tensor held as a plain attribute (not a buffer) of a module of ``model``."""
+    owner, _, name = target.rpartition(".")
+    try:
+        mod = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return isinstance(mod.__dict__.get(name), Tensor)
+
+
 def _safe(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
@@ -277,6 +288,8 @@ def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: 
         if isinstance(value, nn.Module):
             subgraphs.add_module(safe, value)
             node.target = f"fxdebug.subgraphs.{safe}"
+        elif _plain_tensor(model, target):
+            continue  # the model's own tensor attribute (self.mask): read at every call, a reassignment followed
         else:
             mine = _model_attr(model, target)
             tensor = mine if isinstance(mine, Tensor) else value
@@ -422,7 +435,7 @@ def capture_export(
         ) from exc
     if watch.problems:  # what export would get wrong (autograd.Functions, Python state): see faithful_export
         raise watch.problems[0]
-    info.guards = watch.guards
+    info.guards = watch.guards + config_guards(list(model.named_modules()))  # a config object's values too
     exported = program.module()
     graph = exported.graph
     space = nn.Module()
@@ -439,6 +452,9 @@ def capture_export(
     if free:
         info.notes.append(f"export: dynamic dimensions (any size the model accepts): {', '.join(free)}")
     info.live = LiveGuard(model, "export", [m for p, m in model.named_modules() if p])  # every module is inlined
+    paths = {id(m): p for p, m in model.named_modules()}
+    paths[id(shell)] = ""
+    info.live.fast_paths = [(paths[id(m)], model if m is shell else m) for m in watch.fast_paths if id(m) in paths]
     info.seconds = time.perf_counter() - start
     return graph, info, space
 

@@ -36,6 +36,7 @@ from torch.fx import Proxy
 from torch.fx.node import has_side_effect
 from torch.utils import _pytree as pytree
 
+from fxdebug.capture.faithful_reads import caller_location, reads_scope, targets as reads_targets
 from fxdebug.graph.module_state import _MODULE_INTERNALS, _PLAIN, restore_plain_state, saved_plain_state, user_attributes
 
 __all__ = [
@@ -210,7 +211,8 @@ def patched_for_tracing(tracer: Any, root: nn.Module, *, on_write: str = "raise"
         _depth += 1
     swapped = _watch_reads(root)
     try:
-        yield
+        with reads_scope(tracer):  # torch's modes read, torch.manual_seed called (faithful_reads)
+            yield
     finally:
         for m, cls in swapped:
             object.__setattr__(m, "__class__", cls)
@@ -223,23 +225,6 @@ def patched_for_tracing(tracer: Any, root: nn.Module, *, on_write: str = "raise"
             tracer.fxdebug_functions = list(_ACTIVE.functions)
             tracer.fxdebug_reads = dict(_ACTIVE.reads)
         _ACTIVE.tracer, _ACTIVE.modules, _ACTIVE.on_write = prev
-
-
-def caller_location() -> str | None:
-    """``file.py:41 `code``` of the innermost frame outside torch and fxdebug."""
-    import linecache
-    import os
-    import sys
-
-    torch_dir, ours = os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__))
-    frame: Any = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not filename.startswith((torch_dir, ours)) and not filename.startswith("<"):
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{os.path.basename(filename)}:{frame.f_lineno} `{code}`"
-        frame = frame.f_back
-    return None
 
 
 def attribute_reads() -> dict[tuple[int, str], tuple[nn.Module, Any]]:
@@ -274,6 +259,7 @@ def _targets() -> list[tuple[Any, str, Any]]:
         (autocast, "__enter__", _autocast_enter),
         (autocast, "__exit__", _autocast_exit),
         (nn.Module, "__setattr__", _setattr),
+        *reads_targets(),
     ]
 
 

@@ -38,6 +38,7 @@ from fxdebug.capture.faithful import (
     patched_for_tracing,
     writes_and_functions,
 )
+from fxdebug.capture.faithful_reads import TORCH, fast_path_modules, seeds, torch_reads
 
 __all__ = ["ExportWatch", "export_shell", "watched_export"]
 
@@ -74,6 +75,7 @@ class ExportWatch(list[TraceError]):
         super().__init__()
         self.guards: list[tuple[str, str, Any]] = []
         self.buffer_writes: list[tuple[str, str | None]] = []  # ("ema.avg", line) reassigned by forward
+        self.fast_paths: list[nn.Module] = []  # modules whose fused fast path the trace passed over (faithful_reads)
 
     def check_buffer_updates(self, graph: Graph) -> None:
         """Refuse a graph that lost a buffer update the forward made (``self.avg = ...`` in a submodule:
@@ -133,6 +135,15 @@ def watched_export(model: nn.Module) -> Iterator[ExportWatch]:
         finally:
             writes, functions = writes_and_functions()
             watch.guards = [(paths[k[0]], k[1], v) for k, (_, v) in attribute_reads().items() if k[0] in paths]
+            watch.guards += [(TORCH, k, v) for k, v in torch_reads().items()]  # torch's modes forward read
+            reseeds = seeds()
+            watch.fast_paths = fast_path_modules()
+    for where in reseeds[:1]:
+        at = f" at {where}" if where else ""
+        problems.append(TraceError(
+            f"the forward of {type(model).__name__}{at} calls torch.manual_seed; torch.export runs it once while "
+            "capturing and the graph would never reseed, so its random draws would differ from the model's. Use "
+            "frontend='symbolic' (it reseeds at every call) or frontend='auto'.", module="", op="torch.manual_seed"))
     for method, where in hooks[:1]:
         at = f" at {where}" if where else ""
         problems.append(TraceError(

@@ -53,6 +53,8 @@ def graph_module(cls: type[GM], root: nn.Module, graph: Graph, class_name: str, 
                     and getattr(root, target, None) is child:
                 modules[target] = child
                 continue
+        if op == "get_attr" and _absent(root, target):
+            continue  # a plain tensor attribute of the model (self.mask): the instrumented module reads it live
         _copy_attr(root, gm, target)
     gm.graph = graph
     # what GraphModule.__init__ reads from the graph once it is set
@@ -60,6 +62,13 @@ def graph_module(cls: type[GM], root: nn.Module, graph: Graph, class_name: str, 
     gm._tracer_cls = tracer_cls if tracer_cls and "<locals>" not in tracer_cls.__qualname__ else None
     gm._tracer_extras = graph._tracer_extras if graph._tracer_extras else {}
     return gm
+
+
+def _absent(root: nn.Module, target: str) -> bool:
+    """True if ``target``'s first name is nothing ``root`` holds (a shell without the model's plain attributes)."""
+    atom = target.split(".", 1)[0]
+    return atom not in root.__dict__ and atom not in root._modules and atom not in root._parameters \
+        and atom not in root._buffers and not hasattr(type(root), atom)
 
 
 def single_part(model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> Capture:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.modules import module as _torch_module
 from torch.utils.hooks import RemovableHandle
 
+from fxdebug.capture.faithful_reads import would_take_fast_path
 from fxdebug.errors import TraceError
 
 __all__ = ["LiveGuard", "check_live"]
@@ -73,6 +74,8 @@ class LiveGuard:
         self._globals = _global_hook_count()
         self._training = model.training
         self.signature = signature
+        # (path, module) whose fused fast path the trace passed over (faithful_reads.fast_path_modules)
+        self.fast_paths: list[tuple[str, nn.Module]] = []
 
     # -- copying: a copy of the instrumented module is not the model's any more --------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> "LiveGuard":
@@ -82,7 +85,7 @@ class LiveGuard:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"model": None, "frontend": self.frontend, "signature": None, "_edges": [], "_inlined": [],
-                "_handles": 0, "_globals": 0, "_training": self._training}
+                "_handles": 0, "_globals": 0, "_training": self._training, "fast_paths": []}
 
     # -- the check --------------------------------------------------------------------------------
     def check(self, gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -91,6 +94,8 @@ class LiveGuard:
             return
         if self.signature is not None and (kwargs or len(args) > 1):
             self._check_signature(model, args, kwargs)
+        if self.fast_paths:
+            self._check_fast_paths(model)
         for live, seen, path in self._edges:
             if live != seen:
                 self._changed_children(model, live, seen, path)
@@ -129,6 +134,16 @@ class LiveGuard:
                         "the graph traced through that module's forward, so the hook would never run. Instrument "
                         "again after registering it (a hooked module is then called as a module, its hooks at every "
                         "call), or use frontend='auto'.", module=path, op=type(m).__name__)
+
+    def _check_fast_paths(self, model: nn.Module) -> None:
+        for path, m in self.fast_paths:
+            if would_take_fast_path(m):
+                raise TraceError(
+                    f"'{path or '<root>'}' ({type(m).__name__}) takes torch's fused fast path in this call (eval mode, "
+                    f"no gradient wanted), but the graph frontend='{self.frontend}' captured holds its regular path, "
+                    "which computes other values (padded positions of a nested-tensor batch above all). Use "
+                    "frontend='auto', call it with gradients enabled, or turn the fast path off for the model too "
+                    "(torch.backends.mha.set_fastpath_enabled(False)).", module=path, op=type(m).__name__)
 
     def _check_signature(self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         assert self.signature is not None

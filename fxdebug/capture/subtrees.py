@@ -74,8 +74,11 @@ class _OpCounter(TorchDispatchMode):
 _RAISED = object()
 
 
-def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, _Calls], int]:
-    """Run ``model`` once, eagerly, noting each submodule's calls, inputs, outputs and op count."""
+def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            grad: bool = False) -> tuple[dict[str, _Calls], int]:
+    """Run ``model`` once, eagerly, noting each submodule's calls, inputs, outputs and op count.
+
+    Without autograd unless ``grad`` (a forward that registers a tensor hook needs it)."""
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
     seen: dict[str, _Calls] = {}
     stack: list[_Calls] = []
@@ -109,7 +112,7 @@ def _record(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     h2 = nn.modules.module.register_module_forward_hook(post, with_kwargs=True, always_call=True)
     counter = _OpCounter(stack)
     try:
-        with preserved_state(model), torch.no_grad(), counter:
+        with preserved_state(model), torch.set_grad_enabled(grad), counter:
             model(*_clone(args), **_clone(kwargs))  # the user's example inputs stay as they were
     finally:
         h1.remove()
@@ -135,6 +138,8 @@ def _same(a: Any, b: Any) -> bool:
 def _capture_one(module: nn.Module, rec: _Calls, options: TraceOptions) -> tuple[Part | None, str]:
     """The module as a checked ``Part`` (its graph reproduces every recorded call), or ``None`` and why not."""
     args, kwargs, _ = rec.calls[0]
+    if any(isinstance(v, Tensor) and v.is_nested for c in rec.calls for v in pytree.tree_leaves(c)):
+        return None, "called on nested tensors (torch's fused fast path): a graph cannot take them"
     reasons = []
     for frontend in _GRAPH_FRONTENDS:
         if frontend.name == "export" and len({_shapes(c[:2]) for c in rec.calls}) > 1 and not options.dynamic_batch:
@@ -237,13 +242,19 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
         )
     refuse_uninitialized(model, "subtrees")
     start = time.perf_counter()
-    seen, total_ops = _record(model, *inputs)
+    notes = []
+    try:
+        seen, total_ops = _record(model, *inputs)
+    except RuntimeError as exc:  # the forward needs autograd (a tensor hook registered on its activations)
+        seen, total_ops = _record(model, *inputs, grad=True)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        notes.append(f"subtrees: the model was recorded with autograd on: without it, its forward raised ({first})")
     captured, eager = _select(model, seen, options)
     order = sorted(captured, key=lambda p: seen[p].order)
     total_params = sum(p.numel() for p in model.parameters())
     covered_params = _params_under(model, order)
     covered_ops = sum(seen[p].ops for p in order)
-    info = TraceInfo(frontend="subtrees")
+    info = TraceInfo(frontend="subtrees", notes=notes)
     info.live = LiveGuard(model, "subtrees")  # the root runs eagerly: its hooks run; each part guards its own
     info.coverage = {
         "parameters": covered_params / total_params if total_params else 1.0,

@@ -28,6 +28,7 @@ from torch.fx import Graph, Tracer
 
 from fxdebug.errors import TraceError
 from fxdebug.capture.faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
+from fxdebug.capture.faithful_reads import TORCH, config_guards
 from fxdebug.capture.inplace_proxy import MutatingProxy
 from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import Inputs, normalize_inputs, untouched_state
@@ -353,6 +354,8 @@ def _trace_with_leaves(
         paths = {id(m): p for p, m in named}
         info.guards = [(paths[key[0]], key[1], value) for key, (_, value) in tracer.fxdebug_reads.items()
                        if key[0] in paths]
+        # config objects' values and torch's modes the trace read (faithful_reads): a change captures again
+        info.guards += config_guards(named) + [(TORCH, k, v) for k, v in getattr(tracer, "fxdebug_modes", {}).items()]
         for path in sorted(tracer.hooked - set(info.auto_leaves)):
             info.auto_leaves[path] = LeafInfo(
                 path, type(model.get_submodule(path)).__name__,

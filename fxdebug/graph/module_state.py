@@ -177,6 +177,8 @@ class ModuleState:
                 m._buffers.update(bufs)
         with torch.no_grad():
             for buf, copy in self.buffers:
+                if buf.shape != copy.shape:  # resized in forward (a QAT observer's min_val starts empty)
+                    buf.resize_(copy.shape)
                 buf.copy_(copy)
 
 

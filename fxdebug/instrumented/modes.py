@@ -17,17 +17,19 @@ live in each mode's own observers: the report shows the current mode's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import operator
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.fx import Graph
 
+from fxdebug.capture.faithful_reads import TORCH, guard_value, mode_now
 from fxdebug.errors import TraceError
 
 NAMESPACE = "fxdebug"  # fxdebug's own modules on an instrumented module (context.NAMESPACE)
@@ -100,20 +102,26 @@ _TRAINING = operator.attrgetter("training")
 
 def _holds(guards: Guards) -> bool:
     for m, name, value in guards:
-        now = m.__dict__.get(name, _MISSING)
+        now = m.__dict__.get(name, _MISSING) if m is not None else mode_now(name)  # None: one of torch's modes
         if now is not value and (type(now) is not type(value) or now != value):
             return False
     return True
 
 
 def _guards_of(record: Any, model: nn.Module) -> Guards:
+    """``(object, attribute, value)`` for each guard of a capture: a module's attribute, a config object's
+    (``"cfg.scale"``), or ``(None, "is_grad_enabled", True)`` for a mode of torch the trace read."""
     info = record.get("trace") if hasattr(record, "get") else None
-    out = []
+    out: Guards = []
     for path, name, value in getattr(info, "guards", ()):
-        try:
-            out.append((model.get_submodule(path), name, value))
-        except AttributeError:
+        if path == TORCH:
+            out.append((None, name, value))
             continue
+        try:
+            owner, attr = guard_value(model.get_submodule(path), name)
+        except (AttributeError, KeyError):
+            continue
+        out.append((owner, attr, value))
     return out
 
 
@@ -267,7 +275,8 @@ def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
     reused: Capture | None = None
     base = None
     try:
-        with torch.enable_grad(), torch.autocast("cpu", enabled=False), _no_cuda_autocast():
+        # outside the call's grad mode and autocast, unless the graph read them (then it is captured in those)
+        with _capture_modes(any(m is None for m, _, _ in before.guards)):
             if rec.frontend == "symbolic" and any(c.base for c in rec.captures):
                 # symbolic tracing is cheap: trace first, and keep one graph (and its statistics) for
                 # every set of modes that traces to the same code
@@ -294,7 +303,8 @@ def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
     meta = new.meta.get("fxdebug", {})
     same = _code(new.graph) == _code(gm.graph)
     changed = sum(a != b for a, b in zip(before.flags, flags))
-    attrs = [f"{_path(rec.model, m)}.{n}".lstrip(".") for m, n, v in before.guards if not _holds([(m, n, v)])]
+    attrs = [f"torch.{n.split(':')[0]}()" if m is None else f"{_path(rec.model, m)}.{n}".lstrip(".")
+             for m, n, v in before.guards if not _holds([(m, n, v)])]
     why = f"{changed} module flag(s) changed" + (f"; attributes changed: {', '.join(attrs)}" if attrs else "")
     cause = "those attributes" if attrs and not changed else "the training flag"
     note = (f"modes: captured again by {rec.frontend} when called in {now} mode ({why}); "
@@ -311,8 +321,24 @@ def _capture(gm: Any, rec: Recipe, flags: ModeKey) -> Capture:
     return Capture(flags, _guards_of(meta, rec.model), new.graph, new._modules.get(NAMESPACE), meta, base)
 
 
-def _path(model: nn.Module, module: nn.Module) -> str:
-    return next((p for p, m in model.named_modules() if m is module), "?")
+def _path(model: nn.Module, module: Any) -> str:
+    """The module path of ``module``, or ``path.attr`` of the config object a module holds."""
+    for p, m in model.named_modules():
+        if m is module:
+            return p
+        held = next((k for k, v in m.__dict__.items() if v is module), None)
+        if held is not None:
+            return f"{p}.{held}".lstrip(".")
+    return "?"
+
+
+@contextlib.contextmanager
+def _capture_modes(as_called: bool) -> Iterator[None]:
+    if as_called:
+        yield
+        return
+    with torch.enable_grad(), torch.autocast("cpu", enabled=False), _no_cuda_autocast():
+        yield
 
 
 class _no_cuda_autocast:

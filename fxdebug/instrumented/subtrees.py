@@ -19,9 +19,11 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.fx import Graph
+from torch.utils import _pytree as pytree
 
 from fxdebug.capture.base import Capture
 from fxdebug.capture.faithful import sync_attributes, sync_tensors
+from fxdebug.capture.faithful_reads import would_take_fast_path
 from fxdebug.errors import UsageError
 from fxdebug.graph.meta import KEY, GraphRecord, fx_meta
 from fxdebug.graph.serialize import deserialize_graph, serialize_graph
@@ -65,18 +67,62 @@ class _Routed:
     (other modes) sees the user's forward.
     """
 
-    def __init__(self, module: nn.Module, part: Instrumented) -> None:
+    def __init__(self, module: nn.Module, part: Instrumented, path: str = "", notes: list[str] | None = None) -> None:
         self.module = module
         self.part = part
+        self.path = path
+        self.notes = notes
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         d = self.module.__dict__
         mine = d.pop("forward", None)
         try:
+            if _fast_path_now(self.module, self.part, (args, kwargs)):
+                self._note()
+                return self.module.forward(*args, **kwargs)  # the module's own forward: its fused fast path
             return self.part(*args, **kwargs)
         finally:
             if mine is not None:
                 d["forward"] = mine
+
+    def _note(self) -> None:
+        note = (f"subtrees: part '{self.path}' ({type(self.module).__name__}) ran eagerly, unobserved, in calls where "
+                "torch's fused fast path applies (eval mode, no gradient wanted, or a nested-tensor input): its graph "
+                "holds the regular path, which computes other values")
+        if self.notes is not None and note not in self.notes:
+            self.notes.append(note)
+
+
+_FAST_TYPES = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
+
+
+def _fast_path_now(module: nn.Module, part: Instrumented, inputs: Any) -> bool:
+    """True if ``module`` would take torch's fused fast path in this call (its part's graph cannot):
+    a nested-tensor input, or a fast-path module traced through in a call where that path applies."""
+    if any(isinstance(v, Tensor) and v.is_nested for v in pytree.tree_leaves(inputs)):
+        return True
+    live = getattr(part.trace_info, "live", None)
+    checked = [m for _, m in getattr(live, "fast_paths", ())]
+    if isinstance(module, _FAST_TYPES):
+        checked.append(module)
+    return any(would_take_fast_path(m) for m in checked)
+
+
+def _same_class(module: nn.Module, part: Instrumented, path: str, notes: list[str]) -> bool:
+    """False (and noted once) when ``module``'s class changed since its part was captured.
+
+    ``register_parametrization`` after ``instrument`` swaps the module's class for one whose ``weight``
+    is a property over ``parametrizations``: the part's graph, captured over the plain ``weight``, would
+    read a parameter that is gone. That module then runs its own forward, eagerly and unobserved.
+    """
+    captured = part.__dict__.get("_fxdebug_module_class")
+    if captured is None or type(module) is captured:
+        return True
+    note = (f"subtrees: part '{path}' ({captured.__name__}) changed class after instrument (a parametrization "
+            f"registered on it: now {type(module).__name__}); it runs eagerly, unobserved. Instrument again to observe it.")
+    if note not in notes:
+        notes.append(note)
+    return False
 
 
 def _adopt_attributes(gm: Instrumented, module: nn.Module) -> None:
@@ -137,8 +183,10 @@ class SubtreeInstrumented(Instrumented):
         if depth == 0:  # a nested call (generate calling self) finds the routes in place
             for path, part in self.parts().items():
                 module = shell.get_submodule(path)
+                if not _same_class(module, part, path, self.trace_info.notes):
+                    continue
                 routed.append((module, module.__dict__.get("forward")))
-                module.__dict__["forward"] = _Routed(module, part)
+                module.__dict__["forward"] = _Routed(module, part, path, self.trace_info.notes)
         self.__dict__["_fxdebug_depth"] = depth + 1
         try:
             return shell(*args, **kwargs)
@@ -196,6 +244,7 @@ def subtrees_module(model: nn.Module, capture: Capture) -> SubtreeInstrumented:
         module = model.get_submodule(part.path)
         gm = Instrumented.from_capture(module, Capture([part], part.info))
         _adopt_attributes(gm, module)
+        gm.__dict__["_fxdebug_module_class"] = type(module)  # a class swapped later (parametrization): see _same_class
         parts[part.path] = _unhooked(gm)
     shell = _shell(model)  # the captured modules stay in the tree; their forward is routed to the part per call
     meta = {KEY: GraphRecord(trace=capture.info, model_type=type(model).__name__)}

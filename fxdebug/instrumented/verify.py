@@ -94,7 +94,7 @@ def _restored(*roots: nn.Module) -> Iterator[None]:
                     m._buffers.clear()
                     m._buffers.update(entries)
                     for k, v in values.items():
-                        entries[k].copy_(v)
+                        _copy_into(entries[k], v)
                 for p, g, value in grads:
                     if g is not None:
                         g.copy_(value)
@@ -104,6 +104,13 @@ def _restored(*roots: nn.Module) -> Iterator[None]:
                     m.__dict__[k] = v
             for m, training in flags:
                 m.training = training
+
+
+def _copy_into(buffer: Tensor, value: Tensor) -> None:
+    """``buffer.copy_(value)``, resized first where the forward resized it (a QAT observer's ``min_val``)."""
+    if buffer.shape != value.shape:
+        buffer.resize_(value.shape)
+    buffer.copy_(value)
 
 
 def _namespaces(dbg: Any) -> list[nn.Module]:
@@ -205,7 +212,7 @@ def _reset(model: nn.Module, buffers: dict[int, tuple[nn.Module, dict[str, Any],
             m._buffers.clear()
             m._buffers.update(entries)
             for k, v in values.items():
-                entries[k].copy_(v)
+                _copy_into(entries[k], v)
     for p in params:
         p.grad = None
     torch.manual_seed(seed)
