@@ -44,6 +44,33 @@ def test_the_same_module_observes_after_the_models_own_exception():
     assert _calls(dbg, "log") == 3
 
 
+class RaisesAfterABreak(nn.Module):
+    """The exception comes after a graph break: Dynamo's resume function (the forward's rest) fails to compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.fc2 = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        print("", end="")  # a graph break
+        if h.shape[0] == 3:
+            raise ValueError("no batches of 3")
+        return self.fc2(h)
+
+
+def test_the_rest_after_a_graph_break_observes_after_an_exception():
+    dbg = fxdebug.instrument(RaisesAfterABreak(), [StatCollector()])
+    dbg(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="no batches of 3"):
+        dbg(torch.randn(3, 4))
+    dbg(torch.randn(2, 4))
+    dbg(torch.randn(5, 4))
+    assert _calls(dbg, "fc") == 4  # the graph before the break ran in the failing call too
+    assert _calls(dbg, "fc2") == 3
+
+
 class OneOfTwo(nn.Module):
     """Hugging Face's argument check: ``input_ids`` or ``inputs_embeds``, not both."""
 

@@ -10,13 +10,15 @@ every call of that module, and of every new ``instrument()`` of the same class i
 eagerly, unobserved (report rows stayed at their old counts, ``NaNCheck(mode="raise")`` let NaN
 through).
 
-``observing_after_errors(compiled, entry)`` wraps the compiled entry: when a call raises, every code
-object the exception passed through, from the entry frame down to the line that raised, gets
-Dynamo's default strategy back. Their compiled entries (the graphs captured before) are kept, so
-the next call with the earlier shapes runs the captured graph again; a new shape is captured
-again (and, if it raises again, runs eagerly again, with the same real exception). Frames the
-exception did not pass through keep whatever Dynamo decided for them (a skipfile, a recompile
-limit): nothing is re-attempted that did not fail because of this exception.
+``observing_after_errors(compiled, entry)`` wraps the compiled entry: when a call raises, the code
+objects whose compile this failure ended get Dynamo's default strategy back: frames on the
+exception's way that Dynamo tried to compile during the call (its own list of traced frames), and
+the resume functions after a graph break among them (the forward's rest, after a ``print``). Their
+compiled entries (the graphs captured before) are kept, so the next call with the earlier shapes
+runs the captured graphs again; a new shape is captured again (and, if it raises again, runs
+eagerly again, with the same real exception). Frames Dynamo did not try (skipfiles, functions the
+user marked ``torch._dynamo.skip`` / ``disable``, FX-generated forwards Dynamo skips on purpose)
+and the frames the exception did not pass through keep whatever Dynamo decided for them.
 """
 
 from __future__ import annotations
@@ -33,30 +35,54 @@ def _default_strategy() -> Any:
     return FrameExecStrategy(FrameAction.DEFAULT, FrameAction.DEFAULT)
 
 
-def _codes_below(tb: types.TracebackType | None, entry: types.CodeType) -> list[types.CodeType]:
-    """The code objects of ``tb``'s frames from the first frame running ``entry`` down to the raise."""
+_RESUME = "torch_dynamo_resume_in"  # Dynamo's resume functions after a graph break (not in its list of traced frames)
+
+
+def _attempts() -> list[str] | None:
+    """Dynamo's per-thread list of the frames it tried to compile (``"name file:line"``), ``None`` on another torch."""
+    try:
+        from torch._dynamo.eval_frame import dynamo_tls
+    except ImportError:
+        return None
+    found = getattr(dynamo_tls, "traced_frame_infos", None)
+    return found if isinstance(found, list) else None
+
+
+def _failed_codes(tb: types.TracebackType | None, attempted: set[str] | None) -> list[types.CodeType]:
+    """The code objects of ``tb``'s frames whose compile this failure ended: frames Dynamo tried to compile in this
+    call (``attempted``; any it ever took as input when that list is unknown), or a resume function of one.
+
+    A frame Dynamo did not try (a skipfile, ``torch._dynamo.skip``/``disable``, an FX-generated forward that Dynamo
+    skips on purpose) and Dynamo's own transformed bytecode of a compiled frame are left as they are.
+    """
+    try:
+        from torch._dynamo.convert_frame import input_codes, output_codes
+    except ImportError:
+        return []
     codes: list[types.CodeType] = []
-    found = False
     while tb is not None:
         code = tb.tb_frame.f_code
-        found = found or code is entry
-        if found and code not in codes:
-            codes.append(code)
         tb = tb.tb_next
+        if code in codes or code not in input_codes or code in output_codes:
+            continue
+        if (attempted is None or code.co_name.startswith(_RESUME)
+                or f"{code.co_name} {code.co_filename}:{code.co_firstlineno}" in attempted):
+            codes.append(code)
     return codes
 
 
-def unskip_codes(exc: BaseException, entry: types.CodeType) -> list[types.CodeType]:
-    """Give Dynamo's default strategy back to the codes ``exc`` passed through below ``entry``; returns them.
+def unskip_codes(exc: BaseException, attempted: set[str] | None) -> list[types.CodeType]:
+    """Give Dynamo's default strategy back to the codes whose compile ``exc`` ended (see ``_failed_codes``).
 
-    A no-op (returns ``[]``) when this torch has no per-code strategy to set.
+    ``attempted``: the frames Dynamo tried to compile during the call (``None``: unknown). Returns the codes;
+    ``[]`` when this torch has no per-code strategy to set.
     """
     try:
         from torch._C._dynamo.eval_frame import set_code_exec_strategy
         strategy = _default_strategy()
     except (ImportError, AttributeError):  # another torch: nothing to take back
         return []
-    codes = _codes_below(exc.__traceback__, entry)
+    codes = _failed_codes(exc.__traceback__, attempted)
     for code in codes:
         set_code_exec_strategy(code, strategy)
     return codes
@@ -64,13 +90,14 @@ def unskip_codes(exc: BaseException, entry: types.CodeType) -> list[types.CodeTy
 
 def observing_after_errors(compiled: Callable[..., Any], entry: Callable[..., Any]) -> Callable[..., Any]:
     """``compiled`` (``torch.compile(entry, ...)``), whose failed calls leave no code skipped for good."""
-    code = entry.__code__
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        log = _attempts()
+        start = len(log) if log is not None else 0
         try:
             return compiled(*args, **kwargs)
         except BaseException as exc:
-            unskip_codes(exc, code)
+            unskip_codes(exc, set(log[start:]) if log is not None else None)
             raise
 
     return call
