@@ -43,7 +43,7 @@ _FXDEBUG = os.path.join(os.path.normcase(os.path.dirname(os.path.dirname(os.path
 _FXDEBUG_RAW = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+?)_at_\d+$")
 _USER, _SKIP, _MODULE_CALL = 0, 1, 2
-_KINDS: dict[CodeType, int] = {}
+_INFOS: dict[CodeType, tuple[int, tuple[str, str], str, bool]] = {}
 _MAX_DEPTH = 200
 
 
@@ -79,47 +79,45 @@ class SitedGraph(DynamoGraph):
         return f"{self.frame}/{self.recompile}" + (f"@{self.site.label}" if self.site is not None else "")
 
 
-def _kind(code: CodeType) -> int:
-    kind = _KINDS.get(code)
-    if kind is None:
+def _info(code: CodeType) -> tuple[int, tuple[str, str], str, bool]:
+    """``(kind, (file, function), file's base name, in fxdebug)`` of a code object, cached."""
+    info = _INFOS.get(code)
+    if info is None:
         name = os.path.normcase(os.path.abspath(code.co_filename))
+        ours = name.startswith(_FXDEBUG)
         if name == _MODULE_PY:
             kind = _MODULE_CALL if code.co_name == "_call_impl" else _SKIP
-        elif name.startswith(_FXDEBUG) or (name.startswith(_TORCH) and name[len(_TORCH):].startswith("_")):
+        elif ours or (name.startswith(_TORCH) and name[len(_TORCH):].startswith("_")):
             kind = _SKIP  # fxdebug, and torch's private machinery (torch/_dynamo, torch/_compile.py, ...)
         else:
             kind = _USER
-        if len(_KINDS) < 20_000:  # transformed code objects of many recompiles: bounded
-            _KINDS[code] = kind
-    return kind
+        m = _RESUME.match(code.co_name)
+        info = (kind, (code.co_filename, m.group(1) if m else code.co_name), os.path.basename(code.co_filename), ours)
+        if len(_INFOS) < 20_000:  # transformed code objects of many recompiles: bounded
+            _INFOS[code] = info
+    return info
 
 
-def _function(code: CodeType) -> str:
-    m = _RESUME.match(code.co_name)
-    return m.group(1) if m else code.co_name
-
-
-def _walk(frame: FrameType | None) -> tuple[str, str, Any]:
-    """``(graph's function, caller, module object)`` from the frame running the graph upwards."""
+def _walk(frame: FrameType | None) -> tuple[tuple[str, str] | None, tuple[str, str, int] | None, Any]:
+    """``(graph's (file, function), caller (base name, function, line), module object)`` from the frame running
+    the graph upwards, to the innermost ``nn.Module`` call."""
     own: tuple[str, str] | None = None
-    caller = ""
+    caller: tuple[str, str, int] | None = None
     depth = 0
     while frame is not None and depth < _MAX_DEPTH:
-        code = frame.f_code
-        kind = _kind(code)
+        kind, here, base, ours = _INFOS.get(frame.f_code) or _info(frame.f_code)
         if kind == _MODULE_CALL:
-            return (own[1] if own else ""), caller, frame.f_locals.get("self")
-        if kind == _SKIP and own is not None and code.co_filename.startswith(_FXDEBUG_RAW):
-            break  # the live module's entry (its trampoline): out of the model
+            return own, caller, frame.f_locals.get("self")
         if kind == _USER:
-            here = (code.co_filename, _function(code))
             if own is None:
                 own = here
-            elif not caller and here != own:
-                caller = f"{os.path.basename(here[0])}:{here[1]}:{frame.f_lineno}"
+            elif caller is None and here != own:
+                caller = (base, here[1], frame.f_lineno)
+        elif ours and own is not None:
+            break  # the live module's entry (its trampoline): out of the model
         frame = frame.f_back
         depth += 1
-    return (own[1] if own else ""), caller, None
+    return own, caller, None
 
 
 def _module_path(state: dict[str, Any], model: nn.Module, module: Any) -> str:
@@ -153,17 +151,25 @@ def call_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph, frame
     """The site ``graph`` runs at now (``frame``: the dispatcher's caller); ``None`` for the root forward's own graph.
 
     ``state`` is the live module's: the occurrence counters of the current call (``_site_counts``), the
-    module-path table, the root forward's code.
+    module-path table, the root forward's code. Counts an occurrence: once per graph run.
     """
+    found = _locate(state, model, graph, frame)
+    return None if found is None else _site(found)
+
+
+def _locate(state: dict[str, Any], model: nn.Module, graph: DynamoGraph,
+            frame: FrameType | None) -> tuple[str, tuple[str, str, int] | None, int, str] | None:
+    """``(module path, caller, occurrence, function)`` of this run of ``graph``; ``None`` at the root forward."""
     state["_graphs_this_call"] = state.get("_graphs_this_call", 0) + 1  # (instrumented/live_skips.py reads it)
     roots = state.get("_site_roots")
     if roots is None:
         roots = state["_site_roots"] = root_codes(model)
     if graph.code in roots or graph.code.startswith(_FXDEBUG_RAW):  # the model's forward, or the entry Dynamo inlined it in
         return None
-    function, caller, module = _walk(frame)
+    own, caller, module = _walk(frame)
+    function = own[1] if own is not None else ""
     if function == "forward":  # a module's own forward: its module path is its place (above it: decorators, if any)
-        caller = ""
+        caller = None
     path = _module_path(state, model, module)
     counts = state.get("_site_counts")
     if counts is None:
@@ -171,19 +177,31 @@ def call_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph, frame
     key = (graph.frame, path, caller)  # Dynamo numbers frames per code object (two resume functions can share a name)
     occurrence = counts.get(key, 0)
     counts[key] = occurrence + 1
-    return Site(path, caller, occurrence, function)
+    return path, caller, occurrence, function
+
+
+def _site(found: tuple[str, tuple[str, str, int] | None, int, str]) -> Site:
+    path, caller, occurrence, function = found
+    return Site(path, ":".join(map(str, caller)) if caller else "", occurrence, function)
 
 
 def at_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph) -> DynamoGraph:
     """``graph`` itself at its trivial site; else the one ``SitedGraph`` for (graph, site), made at its first call.
 
-    Called by the live module for every graph run (``run_graph``), from inside Dynamo's dispatcher."""
-    site = call_site(state, model, graph, sys._getframe(1))
-    if site is None or site.trivial:
-        return graph
-    sited: dict[tuple[DynamoGraph, Site], SitedGraph] = state.setdefault("_sited", {})
-    found = sited.get((graph, site))
+    Called by the live module for every graph run (``run_graph``), from inside Dynamo's dispatcher: one
+    stack walk and a few dictionary look-ups for a graph that is not the root forward's own."""
+    found = _locate(state, model, graph, sys._getframe(1))
     if found is None:
-        values = {f.name: getattr(graph, f.name) for f in dataclasses.fields(graph) if f.init}
-        found = sited[(graph, site)] = SitedGraph(**values, site=site, base=graph)
-    return found
+        return graph
+    sited: dict[tuple[Any, ...], DynamoGraph] = state.setdefault("_sited", {})
+    key = (graph, *found)
+    hit = sited.get(key)
+    if hit is None:
+        site = _site(found)
+        if site.trivial:
+            hit = graph
+        else:
+            values = {f.name: getattr(graph, f.name) for f in dataclasses.fields(graph) if f.init}
+            hit = SitedGraph(**values, site=site, base=graph)
+        sited[key] = hit
+    return hit

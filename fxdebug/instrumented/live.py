@@ -352,7 +352,8 @@ class LiveInstrumented(Instrumented):
         return self
 
     def _summary_notes(self) -> list[str]:
-        graphs = self.graphs()
+        # the graphs Dynamo handed over: one per call site counted once (SitedGraph.base), snapshot parts (frame -1) not
+        graphs = list(dict.fromkeys(getattr(g, "base", None) or g for g in self.graphs() if g.frame >= 0))
         notes = list(self.trace_info.notes) + list(self.__dict__.get("_saved_notes", ()))
         if not graphs:
             return notes
