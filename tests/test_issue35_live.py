@@ -290,3 +290,32 @@ def test_gpt2_past_its_positions_blames_wpe():
         dbg(torch.randint(0, 100, (1, 20)))
     assert info.value.module == "transformer.wpe", str(info.value)
     assert "index out of range" in info.value.message
+
+
+class LoopsByBatch(nn.Module):
+    """Symbolic tracing cannot run ``int(x.shape[0])``: to_module()'s snapshot is an export graph (aten names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 8)
+        self.act1 = nn.ReLU()
+        with torch.no_grad():
+            self.fc1.bias.fill_(-3.0)
+
+    def forward(self, x):
+        out = x
+        for _ in range(int(x.shape[0]) // 4):
+            out = self.act1(self.fc1(out))
+        return out
+
+
+def test_to_module_refuses_to_drop_a_transform_it_cannot_match():
+    from fxdebug.errors import PassError
+    from fxdebug.passes import SwapActivation
+
+    model, x = LoopsByBatch(), torch.randn(4, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))
+    dbg(x)
+    fixed = fxdebug.instrument(dbg, [SwapActivation(only_dead=0.5)], example_inputs=(x,))
+    with pytest.raises(PassError, match=r"swap-activation changed the live capture .*frontend='symbolic'"):
+        fixed.to_module()

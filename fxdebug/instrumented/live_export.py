@@ -24,10 +24,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
 from fxdebug.authoring.pipeline import Pass
 from fxdebug.capture.base import TraceOptions
-from fxdebug.errors import TraceError, UsageError
+from fxdebug.errors import PassError, TraceError, UsageError
+from fxdebug.graph.meta import graph_record
 from fxdebug.graph.inputs import normalize_inputs
 from fxdebug.report.report import Report
 
@@ -57,8 +59,10 @@ def live_to_module(model: nn.Module, passes: Sequence[Pass], prior: Report | Non
             why.append(f"{frontend}: {exc.message}")
             continue
         if transforms:
+            parts = list(parts)
             snapshot = run_pipeline(snapshot, transforms, example_inputs, prior)
-            carry_transform_state(list(parts), snapshot)
+            _refuse_vanished(parts, snapshot, transforms)
+            carry_transform_state(parts, snapshot)
         return snapshot.to_module(shrink=shrink)
     raise UsageError("to_module() makes one plain GraphModule, a snapshot of the model, and none could be captured ("
                      + "; ".join(why) + "). A live (Dynamo) capture is graphs around eager code, not one module.")
@@ -75,6 +79,35 @@ def refuse_tracing(model: nn.Module) -> None:
                          "TorchScript tracing cannot run Dynamo's graphs. Trace or export the plain module instead: "
                          "torch.onnx.export(dbg.to_module(), args, ...) or torch.jit.trace(dbg.to_module(), args); "
                          "it keeps the transforms and leaves fxdebug's observers out.", module="", op="torch.jit.trace")
+
+
+def _changes(modules: Iterable[nn.Module], name: str) -> list[str]:
+    """The nodes pass ``name`` added or replaced in ``modules``' graphs (their records of what each pass did)."""
+    out: list[str] = []
+    for gm in modules:
+        if not isinstance(gm, GraphModule):
+            continue
+        for result in graph_record(gm).passes:
+            if result.pass_name == name:
+                out.extend(n for n in [*result.replaced, *result.added] if n not in out)
+    return out
+
+
+def _refuse_vanished(parts: list[nn.Module], snapshot: nn.Module, transforms: Sequence[Pass]) -> None:
+    """A transform that changed the live graphs and nothing in the snapshot: a typed error, not a module without it.
+
+    The two captures name nodes alike (module path + op + occurrence), but not always (an ``export`` snapshot's aten
+    names): ``SwapActivation(only_dead=)`` reads the prior report by node name and could then match nothing.
+    """
+    snap_parts = list(getattr(snapshot, "parts", lambda: {"": snapshot})().values())
+    for p in transforms:
+        name = getattr(p, "name", type(p).__name__)
+        live = _changes(parts, name)
+        if live and not _changes(snap_parts, name):
+            raise PassError(f"to_module(): {name} changed the live capture ({len(live)} node(s): "
+                            f"{', '.join(live[:5])}) but nothing in the snapshot to_module() builds (the two captures "
+                            "do not name those nodes alike). Instrument the model with frontend='symbolic' (or 'export') "
+                            "and the same passes, then call to_module() on that.", pass_name=name)
 
 
 def _added(gm: nn.Module) -> dict[str, nn.Module]:
