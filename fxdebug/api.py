@@ -86,7 +86,8 @@ def trace(
     model, unwrapped = unwrap_parallel(model)  # DDP / DataParallel: the model is .module
     if isinstance(model, Instrumented):
         again = model.retrace()
-        remember(again, model, (), example_inputs, {}, recapture)
+        if not isinstance(again, LiveInstrumented):  # a live module's graphs are Dynamo's: no snapshot recipe
+            remember(again, model, (), example_inputs, {}, recapture)
         return again
     if frontend not in _CHOICES:
         raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_CHOICES)}.")

@@ -16,24 +16,22 @@ the reason Dynamo gave.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule
-from torch.utils._python_dispatch import (_disable_current_modes, _pop_mode, _push_mode,
-                                          any_torch_dispatch_mode_on_stack)
+from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispatch_mode_on_stack
 
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.live import _global_hook_count
-from fxdebug.capture.dynamo_backends import compiled, compiler_for, compiler_label, outer_compiler
+from fxdebug.capture.dynamo_backends import compiled, compiler_for
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.symbolic import TraceInfo
@@ -44,13 +42,14 @@ from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.live_blame import guard_error
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
+from fxdebug.instrumented.live_call import backend_note, live_call, modes_on
+from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_skips import watched
 from fxdebug.instrumented.live_report import _global_calls, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
-from fxdebug.report.distributed import _merge_rows, channel_maxima
+from fxdebug.report.distributed import channel_maxima
 from fxdebug.report.report import Report, merge_reports
-from fxdebug.runtime.columns import resolve_columns
 from fxdebug.runtime.observer import Observer
 
 __all__ = ["LiveInstrumented"]
@@ -63,20 +62,6 @@ _QUIET = quiet_warnings(_GRAD_WARNING, _BREAK_WARNING)
 _WHILE_INSTRUMENTING = "_fxdebug_while_instrumenting"  # marks an error raised while a new graph was instrumented
 _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
                "eagerly between graphs (after a graph break) did not")
-
-
-@contextlib.contextmanager
-def _modes_on(modes: list[Any]) -> Iterator[None]:
-    """Push ``modes`` (top of the stack first, as ``_disable_current_modes`` lists them) back for a block."""
-    pushed = 0
-    try:
-        for mode in reversed(modes):
-            _push_mode(mode)
-            pushed += 1
-        yield
-    finally:
-        for _ in range(pushed):
-            _pop_mode()
 
 
 class LiveInstrumented(Instrumented):
@@ -115,7 +100,7 @@ class LiveInstrumented(Instrumented):
 
     def recompile(self) -> Any:
         code = GraphModule_recompile(self)
-        type(self).__call__ = _call  # type: ignore[method-assign]
+        type(self).__call__ = live_call  # type: ignore[method-assign]
         type(self).forward = _LIVE_CALL
         return code
 
@@ -176,7 +161,7 @@ class LiveInstrumented(Instrumented):
 
     def _entry_now(self) -> Any:
         """The compiled entry for this call: the module's own, or one whose graphs the outer ``torch.compile``'s
-        backend compiles (``_call`` found it active), one per distinct backend."""
+        backend compiles (``live_call`` found it active), one per distinct backend."""
         state = self.__dict__
         outer = state.get("_outer")
         if outer is None:
@@ -268,7 +253,7 @@ class LiveInstrumented(Instrumented):
             if lifted:  # the user's dispatch modes, lifted while Dynamo checked its guards: back on for the graph
                 if graph.graph_break and _MODES_NOTE not in self.trace_info.notes:
                     self.trace_info.notes.append(_MODES_NOTE)
-                with _modes_on(lifted[-1]):
+                with modes_on(lifted[-1]):
                     return found.run(*args)
             return found.run(*args)  # the part's forward over Dynamo's own arguments (model state included)
         except FxDebugError:
@@ -310,6 +295,28 @@ class LiveInstrumented(Instrumented):
     @property
     def model(self) -> nn.Module:
         return self._model
+
+    @property
+    def graph(self) -> Graph:
+        """The captured graph when there is exactly one (``dbg.parts()``); otherwise a ``UsageError`` naming them.
+
+        The live module itself holds no graph: Dynamo captures one per frame, graph break and recompile."""
+        parts = self.__dict__.get("_parts")
+        if parts is None:  # GraphModule's own construction, before the live state exists
+            return self._graph
+        if len(parts) == 1:
+            return next(iter(parts.values())).part.graph
+        model = type(self._model).__name__
+        if not parts:
+            raise UsageError(f"dbg.graph: nothing of {model} is captured yet: call the module once (or instrument it "
+                             "with example_inputs=); then dbg.parts() holds each graph Dynamo captured.")
+        raise UsageError(f"dbg.graph: {model} was captured as {len(parts)} graphs (a graph break, a recompile for another "
+                         f"mode, shape or backend), not one: pick one of dbg.parts() {list(self.parts())}, e.g. "
+                         "dbg.parts()[key].graph.print_tabular().")
+
+    @graph.setter
+    def graph(self, value: Graph) -> None:
+        GraphModule.graph.fset(self, value)  # type: ignore[attr-defined]
 
     def graphs(self) -> list[DynamoGraph]:
         """Every graph Dynamo handed over while this module ran, in the order they were captured."""
@@ -362,7 +369,7 @@ class LiveInstrumented(Instrumented):
         notes.append(f"dynamo: {len(graphs)} graph(s) captured over {len(frames)} frame(s); "
                      f"{recompiles} recompile(s) (a guard failed: another mode, shape, keyword signature, "
                      "attribute value or hook)")
-        notes.append(_backend_note(self.__dict__["_parts"]))
+        notes.append(backend_note(self.__dict__["_parts"]))
         seen: set[tuple[str, str]] = set()
         for g in graphs:
             if g.graph_break and (g.where, g.reason) not in seen:
@@ -382,36 +389,7 @@ class LiveInstrumented(Instrumented):
             rep = found.part._part_report()
             _global_calls(rep, found.calls)
             reports.append((rep, found.part))
-        seen: dict[str, int] = {}
-        for rep, _ in reports:
-            for row in rep.rows:
-                seen[row["node"]] = seen.get(row["node"], 0) + 1
-        by_name: dict[str, list[tuple[dict[str, Any], list[float] | None]]] = {}
-        for rep, part in reports:
-            # per-channel maxima (what a channel column's merge rule reads), only from a capture sharing a node
-            if isinstance(part, dict):  # a saved capture: its maxima were read when it was saved
-                maxima = part
-            else:
-                maxima = channel_maxima(part) if any(seen[r["node"]] > 1 for r in rep.rows) else {}
-            for row in rep.rows:
-                by_name.setdefault(row["node"], []).append((row, maxima.get(row["node"])))
-        columns = resolve_columns(c for rep, _ in reports for c in rep.columns)
-        rows = []
-        merge_notes: list[str] = []
-        for name, found in by_name.items():  # one row per node identity: its captures merged like ranks
-            # a capture that never ran this node since the last reset (the quiet capture call's graph, a no_grad
-            # recompile that took over) adds nothing: its zeros and unknowns would only blur the merge
-            found = [f for f in found if f[0].get("calls")] or found[:1]
-            if len(found) == 1:
-                rows.append(found[0][0])
-                continue
-            per_capture = [{name: m} if m is not None else {} for _, m in found]
-            merged_rows, why = _merge_rows([[r] for r, _ in found], per_capture, columns=columns)
-            rows.append(merged_rows[0])
-            merge_notes.extend(n.replace("distributed: ", "dynamo: ").replace("ranks", "captures") for n in why)
-        notes = [n for rep, _ in reports for n in rep.notes] + merge_notes
-        one = Report(rows=rows, columns=columns, notes=list(dict.fromkeys(notes)), calls=self.__dict__["_calls"],
-                     frontend="dynamo")
+        one = merge_captures(reports, self.__dict__["_calls"])
         merged = merge_reports({"": one}, frontend="dynamo", notes=self._summary_notes())
         merged.calls = self.__dict__["_calls"]
         _origin_facts(merged, reports)
@@ -491,45 +469,8 @@ class LiveInstrumented(Instrumented):
 # session stack) and compile dozens of small frames; the call is the live module's own Dynamo capture: skipped
 # by the outer one, which runs it as it is (the inner capture instruments and observes every graph).
 _LIVE_CALL = torch._dynamo.disable(LiveInstrumented._live_call)
-_OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
-def _call(self: LiveInstrumented, *args: Any, **kwargs: Any) -> Any:
-    """``dbg(...)``: the live call; through ``nn.Module``'s call when hooks were registered on the live module itself
-    (``fully_shard(dbg)`` gathers the parameters in its pre-forward hook; a user's hook on ``dbg``). The model's own
-    hooks run inside the live call, as the model's.
-
-    Under an outer ``torch.compile(dbg)`` this frame is skipped, not traced (``_skip``): it runs with the outer
-    eval-frame callback still set. The callback is switched off here (fxdebug's own Python is never compiled) and
-    its backend, the user's (Inductor with their ``mode=`` / ``options=``), compiles the instrumented graphs."""
-    prior = _set_eval_frame(None)
-    state = self.__dict__
-    saved, state["_outer"] = state.get("_outer"), (outer_compiler(prior) if prior else None)
-    try:
-        if any(state.get(name) for name in _OWN_HOOKS):
-            return nn.Module._call_impl(self, *args, **kwargs)
-        return LiveInstrumented._live_call(self, *args, **kwargs)
-    finally:
-        state["_outer"] = saved
-        _set_eval_frame(prior)
-
-
-_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
-_skip: Any = getattr(torch._dynamo.decorators, "skip", None) or torch._dynamo.disable  # (not traced, not disabled)
-_call = _skip(_call)
-
-
-
-
-def _backend_note(parts: dict[DynamoGraph, _Part]) -> str:
-    """Which backend ran the instrumented graphs since the last ``reset()`` (``Report.notes``)."""
-    ran = [g for g, p in parts.items() if p.calls] or list(parts)
-    labels = [compiler_label(g.compiler) for g in ran if g.compiler is not None]
-    if not labels:
-        return "backend: eager: the instrumented graphs ran as captured, not compiled"
-    kinds = ", ".join(dict.fromkeys(labels))
-    return (f"backend: {kinds} compiled the instrumented graphs ({len(labels)} of {len(ran)} that ran)"
-            + ("" if len(labels) == len(ran) else "; the others ran eagerly"))
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
