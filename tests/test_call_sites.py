@@ -188,3 +188,26 @@ def test_site_names_survive_a_copy_or_save(save, tmp_path):
         again = fxdebug.instrument(copy.deepcopy(model), [StatCollector()], frontend="dynamo")
     again(x)
     assert {r["node"] for r in again.report().rows} == before
+
+
+def test_a_module_called_before_and_after_a_graph_break_is_two_places():
+    torch.manual_seed(0)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            first = self.a(x)
+            torch._dynamo.graph_break()
+            return first + self.a(first * 10.0)
+
+    model = Shared()
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, [StatCollector()], frontend="dynamo")
+    x = torch.randn(3, 4)
+    _bitwise(dbg, model, ref, x)
+    _bitwise(dbg, model, ref, x)
+    rows = [r for r in dbg.report().rows if r["module"] == "a"]
+    assert len(rows) == 2 and all(r["calls"] == 2 for r in rows)  # one row with 4 calls before

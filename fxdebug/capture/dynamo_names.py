@@ -10,6 +10,7 @@ attributed to their module (read live through ``get_attr``). Split out of ``capt
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -122,11 +123,11 @@ def _op_name(node: Node) -> str:
 class NodeNamer:
     """Stable node identities over every capture of one live module.
 
-    ``(frame, base, occurrence)`` maps to one name. Inside a module the frame is ``None``: the
-    module path + op + occurrence is the identity, whichever frame ran it (a recompile, or the same
-    forward entered through another frame after a graph break), so their rows merge. At the root
-    the frame's code is part of it: the root ops of another frame (after a graph break) continue
-    the numbering instead of merging with unrelated ones.
+    ``(frame, base, occurrence)`` maps to one name, so every recompile of a frame names its nodes
+    alike and their rows merge. The frame is the model's forward (``ROOT``, whichever frame Dynamo
+    ran it in), a resume function or helper by its code, or (code, call site) for a graph that runs
+    at a call site of its own (``capture.dynamo_sites``); a module called in two frames (before and
+    after a graph break) is two places, two names (``a``, ``a_1``).
     """
 
     names: dict[tuple[Any, str, int], str] = field(default_factory=dict)
@@ -174,6 +175,34 @@ def _resolve(model: Any, path: str, attr: str, kind: str) -> Any:
     return table.get(attr)
 
 
+ENTRY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # fxdebug/ (its trampoline)
+ROOT = "<root>"  # the namer's frame key of the model's forward, whichever frame Dynamo ran it in
+
+
+def root_codes(model: Any) -> set[str]:
+    """The code keys (``file:function:first line``) of ``model``'s forward, and of what a decorator wraps."""
+    out = set()
+    forward = getattr(type(model), "forward", None)
+    while forward is not None:  # a decorated forward (``functools.wraps``): the wrapper and what it wraps
+        code = getattr(forward, "__code__", None)
+        if code is not None:
+            out.add(f"{code.co_filename}:{code.co_name}:{code.co_firstlineno}")
+        forward = getattr(forward, "__wrapped__", None)
+        if len(out) > 8:
+            break
+    return out
+
+
+def frame_key(graph: Any, model: Any) -> Any:
+    """The namer's key for ``graph``'s frame: one for the model's forward (Dynamo runs it inside fxdebug's entry
+    trampoline when nothing in it breaks the graph, and as a frame of its own after a break inside it), else the
+    frame's code."""
+    code = graph.code
+    if code and (code.startswith(ENTRY_DIR) or code in root_codes(model)):
+        return ROOT
+    return code or graph.frame
+
+
 def _join(scope: str, path: str) -> str:
     return ".".join(p for p in (scope, path) if p)
 
@@ -203,7 +232,7 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
     site = getattr(graph, "site", None)
     scope = site.module if site is not None else ""
     prefix = _site_prefix(site)
-    frame_key: Any = (graph.code or graph.frame) if site is None else (graph.code or graph.frame, site)
+    key: Any = frame_key(graph, model) if site is None else (graph.code or graph.frame, site)
     src = graph.gm
     new = Graph()
     env: dict[Node, Node] = {}
@@ -239,7 +268,7 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
                 name = _input_name(source, model, shift) or node.name
                 full = _safe(f"{prefix}_{name}" if prefix else name)
                 if name.startswith("_"):  # Dynamo's own (``___stack0``: a value the eager code before the frame made)
-                    full = namer.name(frame_key, full, 0)  # one per frame, as every recompile of it names it
+                    full = namer.name(key, full, 0)  # one per frame, as every recompile of it names it
                 out = new.placeholder(full)
                 out.meta.update(meta)
                 fx_meta(out)["module"] = scope
@@ -268,7 +297,7 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
         k = counts.get(base, 0)
         counts[base] = k + 1
         out = new.create_node(node.op, node.target, arg(node.args), arg(node.kwargs),
-                              name=namer.name(None if inner and site is None else frame_key, base, k))
+                              name=namer.name(key, base, k))
         out.meta.update(meta)
         fx_meta(out)["module"] = path
         if typ is not None:

@@ -34,13 +34,13 @@ import torch
 from torch import nn
 
 from fxdebug.capture.dynamo import DynamoGraph
+from fxdebug.capture.dynamo_names import ENTRY_DIR, root_codes
 
 __all__ = ["Site", "SitedGraph", "at_site", "call_site", "root_codes"]
 
 _MODULE_PY = os.path.normcase(os.path.abspath(sys.modules[nn.Module.__module__].__file__ or ""))
 _TORCH = os.path.join(os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__ or ""))), "")
 _FXDEBUG = os.path.join(os.path.normcase(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "")
-_FXDEBUG_RAW = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+?)_at_\d+$")
 _USER, _SKIP, _MODULE_CALL = 0, 1, 2
 _INFOS: dict[CodeType, tuple[int, tuple[str, str], str, bool]] = {}
@@ -133,20 +133,6 @@ def _module_path(state: dict[str, Any], model: nn.Module, module: Any) -> str:
     return found
 
 
-def root_codes(model: nn.Module) -> set[str]:
-    """The code keys (``file:function:first line``) of ``model``'s forward, and of what a decorator wraps."""
-    out = set()
-    forward = getattr(type(model), "forward", None)
-    while forward is not None:  # a decorated forward (``functools.wraps``): the wrapper and what it wraps
-        code = getattr(forward, "__code__", None)
-        if code is not None:
-            out.add(f"{code.co_filename}:{code.co_name}:{code.co_firstlineno}")
-        forward = getattr(forward, "__wrapped__", None)
-        if len(out) > 8:
-            break
-    return out
-
-
 def call_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph, frame: FrameType | None) -> Site | None:
     """The site ``graph`` runs at now (``frame``: the dispatcher's caller); ``None`` for the root forward's own graph.
 
@@ -164,7 +150,7 @@ def _locate(state: dict[str, Any], model: nn.Module, graph: DynamoGraph,
     roots = state.get("_site_roots")
     if roots is None:
         roots = state["_site_roots"] = root_codes(model)
-    if graph.code in roots or graph.code.startswith(_FXDEBUG_RAW):  # the model's forward, or the entry Dynamo inlined it in
+    if graph.code in roots or graph.code.startswith(ENTRY_DIR):  # the model's forward, or the entry Dynamo inlined it in
         return None
     own, caller, module = _walk(frame)
     function = own[1] if own is not None else ""
