@@ -319,3 +319,24 @@ def test_to_module_refuses_to_drop_a_transform_it_cannot_match():
     fixed = fxdebug.instrument(dbg, [SwapActivation(only_dead=0.5)], example_inputs=(x,))
     with pytest.raises(PassError, match=r"swap-activation changed the live capture .*frontend='symbolic'"):
         fixed.to_module()
+
+
+class MaskedTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(50, 8)
+
+    def forward(self, ids, mask):
+        ids = ids.view(-1, ids.shape[-1])
+        return self.tok(ids) * mask[..., None]
+
+
+def test_a_mask_of_the_wrong_length_blames_the_product_not_an_older_graphs_view():
+    from fxdebug.errors import FxDebugError
+
+    dbg = fxdebug.instrument(MaskedTokens(), [NaNCheck(), StatCollector()],
+                             example_inputs=(torch.randint(0, 50, (1, 8)), torch.ones(1, 8)))
+    with pytest.raises(FxDebugError) as info:  # Dynamo's fake tensors fail at the product: no new graph to run
+        dbg(torch.randint(0, 50, (1, 12)), torch.ones(1, 11))
+    assert info.value.node == "mul", str(info.value)
+    assert "must match the size" in info.value.message

@@ -39,7 +39,7 @@ from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.module import Instrumented
-from fxdebug.instrumented.live_blame import guard_error
+from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
 from fxdebug.instrumented.live_call import backend_note, live_call, modes_on
@@ -180,7 +180,7 @@ class LiveInstrumented(Instrumented):
         bury it), or keeps its own cause (the real op's error when an op of a captured graph failed on these
         arguments); a diagnosis by a symbolic capture keeps Dynamo's error as its cause.
         """
-        guarded = self._guarded(args, kwargs)
+        guarded = replayed_blame(self._guarded(args, kwargs), exc, self.parts().values())  # not another op's (B15)
         if guarded is not None:  # its own cause (the real op's error, when a captured graph's op failed) or none
             raise guarded from guarded.__cause__
         diagnosed = _diagnosed(self._model, args, kwargs, exc)
