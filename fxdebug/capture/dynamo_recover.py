@@ -89,7 +89,11 @@ def unskip_codes(exc: BaseException, attempted: set[str] | None) -> list[types.C
 
 
 def observing_after_errors(compiled: Callable[..., Any], entry: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled`` (``torch.compile(entry, ...)``), whose failed calls leave no code skipped for good."""
+    """``compiled`` (``torch.compile(entry, ...)``), whose failed calls leave no code skipped for good.
+
+    ``entry`` is not needed to find the codes (after a graph break the entry frame runs as Dynamo's transformed
+    bytecode, another code object); it stays in the signature the live module calls it with.
+    """
 
     def call(*args: Any, **kwargs: Any) -> Any:
         log = _attempts()
