@@ -3,7 +3,8 @@
 For each model (debugging sizes, ``bench_models.DEBUG_MODELS``), CPU, one thread:
 
 * cold compile: the first call of ``torch.compile(model)`` and, in another process, of
-  ``torch.compile(dbg)`` (``dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs)``,
+  ``torch.compile(dbg)`` (``--cold`` pairs, alternating which goes first; median of each; on a shared
+  machine one pair varies 2x either way) (``dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs)``,
   its instrument() time given apart). Each process has a fresh Inductor cache directory and the FX-graph
   and autograd caches off (a kernel compiled for one would be found by the other), and compiles a tiny
   unrelated function first, so that neither pays Inductor's one-time start-up;
@@ -130,6 +131,7 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=MODELS)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--cold", type=int, default=3, help="cold-compile processes per variant (alternating order)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -141,13 +143,22 @@ def main() -> None:
           "cold ratio | instrument s | graphs plain / fxdebug |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in a.models:
-        cp = _child(["cold", name, "plain"])
-        cf = _child(["cold", name, "fxdebug"])
+        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "fxdebug": []}
+        for i in range(a.cold):
+            for variant in (("plain", "fxdebug") if i % 2 == 0 else ("fxdebug", "plain")):
+                runs[variant].append(_child(["cold", name, variant]))
+        cp = {"compile_s": statistics.median(r["compile_s"] for r in runs["plain"]), "graphs": runs["plain"][0]["graphs"]}
+        cf = {"compile_s": statistics.median(r["compile_s"] for r in runs["fxdebug"]), "graphs": runs["fxdebug"][0]["graphs"],
+              "instrument_s": statistics.median(r["instrument_s"] for r in runs["fxdebug"]),
+              "notes": runs["fxdebug"][0].get("notes", []),
+              "spread": [round(r["compile_s"], 1) for r in runs["fxdebug"]],
+              "plain_spread": [round(r["compile_s"], 1) for r in runs["plain"]]}
         st = _child(["steady", name, a.rounds, a.calls], cache=True)
         print(f"| {name} | {st['plain_ms']:.2f} | {st['fxdebug_ms']:.2f} | {st['ratio']:.2f}x "
               f"({st['ratio_min']:.2f}..{st['ratio_max']:.2f}) | {cp['compile_s']:.1f} | {cf['compile_s']:.1f} | "
               f"{cf['compile_s'] / cp['compile_s']:.2f}x | {cf['instrument_s']:.1f} | {cp['graphs']} / {cf['graphs']} |",
               flush=True)
+        print(f"  {name}: cold compile s, each run: plain {cf['plain_spread']}, fxdebug {cf['spread']}")
         for note in cf.get("notes", []):
             print(f"  {name}: {note}")
     print(f"load after: {os.getloadavg()[0]:.2f}")
