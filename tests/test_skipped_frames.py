@@ -117,3 +117,33 @@ def test_a_skipped_helper_is_a_note_while_the_graphs_around_it_are_observed():
     assert "if t.sum() > 0:" in note
     assert "a" in {r["node"] for r in report.rows}
     assert not any("snapshot" in n for n in report.notes)  # the forward itself was captured: no fallback
+
+
+class HoldsALoop(nn.Module):
+    """A forward Dynamo captures, whose submodule's forward it skips."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner, self.out = LoopBranch(), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.inner(x).relu())
+
+
+def test_a_skipped_submodule_is_observed_through_a_snapshot_of_it():
+    torch.manual_seed(0)
+    model = HoldsALoop()
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], frontend="dynamo")
+    x = torch.randn(2, 4)
+    for _ in range(3):
+        assert torch.equal(dbg(x), ref(x))
+        assert "forward" not in model.inner.__dict__  # routed only during the live call
+    report = dbg.report()
+    assert any(f"forward ({_line(LoopBranch.forward)})" in n for n in _skip_notes(report))
+    assert any(n.startswith("dynamo: inner (LoopBranch)") and "snapshot" in n for n in report.notes)
+    rows = {r["node"]: r for r in report.rows}
+    assert rows["inner.fc/linear"]["module"] == "inner.fc"
+    assert rows["inner.fc/linear"]["calls"] == 6  # three per call, from the second call on
+    assert any(r["module"] == "out" for r in report.rows)  # the graphs around it still observed
+    assert "0 recompile(s)" in next(n for n in report.notes if "captured over" in n)

@@ -101,14 +101,48 @@ def clean_path(path: str) -> str:
     return _clean_export_path(_ROOT.sub("", path))
 
 
-def _scope(node: Node) -> tuple[str, str | None, tuple[str, ...]]:
-    """(module path, module type, stack keys) of the innermost module ``node`` ran in."""
+def _scope(node: Node, aliases: dict[str, str] | None = None) -> tuple[str, str | None, tuple[str, ...]]:
+    """(module path, module type, stack keys) of the innermost module ``node`` ran in.
+
+    ``aliases``: locals of the frame that hold one of the model's modules (``L['___stack0']``: a resume
+    function after a graph break gets ``self.out``, loaded before the break, as a stack value) -> its path."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack:
         return "", None, ()
     path, typ = list(stack.values())[-1]
     type_name = typ.__name__ if isinstance(typ, type) else str(typ).rsplit(".", 1)[-1].rstrip("'>")
-    return clean_path(str(path)), type_name, tuple(stack)
+    raw = str(path)
+    for local, where in (aliases or {}).items():
+        if raw == local or raw.startswith(local + ".") or raw.startswith(local + "["):
+            return _join(where, clean_path(raw[len(local):])), type_name, tuple(stack)
+    return clean_path(raw), type_name, tuple(stack)
+
+
+def _owned(model: Any, owners: dict[int, tuple[str, str, str]], source: str, value: Any,
+           aliases: dict[str, str]) -> tuple[str, str, str] | None:
+    """``(path, attr, kind)`` of the model's parameter or buffer ``value`` is, read through a local other than the
+    frame's ``self`` (``L['___stack0']._parameters['weight']``); the local is noted as an alias of its module."""
+    m = _STATE.match(source)
+    if m is None or m.group(1) == "self" or not hasattr(model, "named_parameters"):
+        return None
+    if not owners:
+        for name, p in model.named_parameters(remove_duplicate=False):
+            owners.setdefault(id(p), (*_split(name), "parameter"))
+        for name, b in model.named_buffers(remove_duplicate=False):
+            owners.setdefault(id(b), (*_split(name), "buffer"))
+    found = owners.get(id(value))
+    if found is None:
+        return None
+    chain = _CHILD.findall(m.group(2))
+    parts = found[0].split(".") if found[0] else []
+    if len(parts) >= len(chain) and parts[len(parts) - len(chain):] == chain:
+        aliases.setdefault(f"L['{m.group(1)}']", ".".join(parts[:len(parts) - len(chain)]))
+    return found
+
+
+def _split(name: str) -> tuple[str, str]:
+    path, _, attr = name.rpartition(".")
+    return path, attr
 
 
 def _op_name(node: Node) -> str:
@@ -243,6 +277,8 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
     # a wrapped forward: args[0] is self (its state is read through it; not a size of an input, L['args'][0].size())
     shift = 1 if any(_SELF_IN_ARGS.match(src) for src in sources) else 0
     index = -1
+    owners: dict[int, tuple[str, str, str]] = {}  # id(tensor) -> the model's (path, attr, kind), built when needed
+    aliases: dict[str, str] = {}  # a local that holds one of the model's modules (``L['___stack0']``) -> its path
 
     def arg(a: Any) -> Any:
         return map_arg(a, lambda n: env[n])
@@ -258,6 +294,9 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
                 if index < len(args) and _resolve(model, *nested) is args[index]:
                     state = nested
             value = _resolve(model, *state) if state is not None else None
+            if state is not None and index < len(args) and value is not args[index]:
+                state = _owned(model, owners, source, args[index], aliases)  # read through another local
+                value = args[index] if state is not None else None
             if state is not None and index < len(args) and value is args[index]:
                 path, attr, kind = state
                 out = new.get_attr(f"{path}.{attr}".lstrip("."))
@@ -286,7 +325,7 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
             out.meta.update(meta)
             env[node] = out
             continue
-        inner, typ, keys = _scope(node)
+        inner, typ, keys = _scope(node, aliases)
         path = _join(scope, inner)
         if inner and _is_scope_output(node, keys):
             base = path.replace(".", "_")
