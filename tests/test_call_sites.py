@@ -89,6 +89,9 @@ def test_two_widths_one_helper_no_false_shape_error_and_two_rows():
     muls = [r for r in rows if r["op"].endswith("mul")]
     assert sorted(tuple(r["shape"]) for r in muls) == [(2, 4), (2, 5)]
     assert all(r["calls"] == 2 for r in muls)  # each site once per call, twice in all
+    line = clip_boxes.__code__.co_firstlineno + 1
+    assert any(f"graph break at test_call_sites.py:{line} in clip_boxes" in n and "eagerly" in n
+               for n in dbg.report().notes)  # the stretch that ran eagerly: file:line, function, reason
 
 
 def test_same_width_two_sites_keep_their_own_statistics():

@@ -23,6 +23,7 @@ This module is the part of that frontend below ``instrumented/``:
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -90,7 +91,9 @@ def _ending(gm: GraphModule) -> tuple[bool, str, str]:
     where = ""
     if stack:
         frame = stack[-1]
-        where = f"{str(frame.filename).rsplit('/', 1)[-1]}:{frame.lineno}" + (f" `{frame.line.strip()}`" if frame.line else "")
+        function = re.sub(r"^torch_dynamo_resume_in_(.+?)_at_\d+$", r"\1", str(frame.name or ""))  # (its resume functions)
+        where = (f"{str(frame.filename).rsplit('/', 1)[-1]}:{frame.lineno}" + (f" in {function}" if function else "")
+                 + (f" `{frame.line.strip()}`" if frame.line else ""))
     reason = " ".join(str(why.reason or "").split())
     return bool(why.graph_break), reason, where
 
