@@ -22,6 +22,7 @@ from fxdebug.report.distributed import unwrap_parallel
 from fxdebug.errors import ArgumentTypeError, FxDebugError, TraceError, UsageError
 from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.dynamo_backends import check_backend
+from fxdebug.capture.torch_logs import summary, torch_errors_caught
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
@@ -241,8 +242,12 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
         args, kwargs = clone_inputs(inputs)
         gm.__dict__["_examples"] = True  # a failure of the model's forward here names the example inputs
         try:
-            with preserved_state(model):  # buffers, Python state and RNG as they were: the call only captures
+            # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
+            with preserved_state(model), torch_errors_caught() as logged:
                 gm(*args, **kwargs)
+            note = summary(logged)
+            if note:
+                gm.trace_info.notes.append(note)
             for variant in _example_variants(passes):  # further examples a pass asks for (other sizes): captured too
                 more = normalize_inputs(variant)
                 if more is not None:

@@ -38,6 +38,7 @@ from fxdebug.errors import MissingInputsError, ShapeMismatchError, TraceError
 from fxdebug.capture.faithful import clean_graph_meta
 from fxdebug.capture.faithful_export import export_shell, watched_export
 from fxdebug.capture.faithful_reads import config_guards
+from fxdebug.capture.torch_logs import summary, torch_errors_caught
 from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import untouched_state
 from fxdebug.graph.meta import _clean_export_path, fx_meta
@@ -421,7 +422,7 @@ def capture_export(
     refuse_namespace_clash(model, "export")
     shell = export_shell(model)  # the root's own hooks run at call time, not inside the graph
     try:
-        with untouched_state(model), watched_export(shell) as watch:
+        with untouched_state(model), watched_export(shell) as watch, torch_errors_caught() as logged:
             program = _export(shell, args, kwargs, dynamic_batch, info.notes)
     except TraceError:
         raise
@@ -433,6 +434,9 @@ def capture_export(
             "frontend='subtrees' keeps the root eager and instruments the submodules that can be captured.",
             op=type(model).__name__,
         ) from exc
+    note = summary(logged)  # torch's own tracebacks, kept off the terminal
+    if note:
+        info.notes.append(note)
     if watch.problems:  # what export would get wrong (autograd.Functions, Python state): see faithful_export
         raise watch.problems[0]
     info.guards = watch.guards + config_guards(list(model.named_modules()))  # a config object's values too

@@ -38,7 +38,7 @@ from fxdebug.errors import ArgumentTypeError, FxDebugError
 from fxdebug.instrumented.face import model_attribute
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.modes import ensure_mode, follow_mode
-from fxdebug.instrumented.recapture import route_call
+from fxdebug.instrumented.recapture import captures, route_call, with_signatures
 from fxdebug.runtime.observer import Clock, Observer
 from fxdebug.runtime.lower import observers_in
 from fxdebug.render.draw import render as draw
@@ -207,13 +207,13 @@ class Instrumented(GraphModule):
         """This graph's own observations, as if it were the whole model."""
         info = self.trace_info
         clock = self._clock()
-        return build_report(
+        return with_signatures(self, build_report(  # export: its captures for other keyword signatures too
             self,
             auto_leaves={k: str(v) for k, v in info.auto_leaves.items()},
             frontend=info.frontend,
             notes=self._own_notes(),
             calls=clock.calls if clock is not None else 0,
-        )
+        ))
 
     def _summary_notes(self) -> list[str]:
         """Notes about the capture as a whole, beyond its parts' own (none for a single graph)."""
@@ -241,6 +241,8 @@ class Instrumented(GraphModule):
             clock = part._clock()
             if clock is not None:
                 clock.reset()
+            for other in captures(part):  # export: the captures for other keyword signatures
+                other.reset()  # type: ignore[operator]
 
     def learn_shapes(self, example_inputs: Any) -> None:
         """Run ``example_inputs`` once to write every node's shape, dtype and device into its meta."""

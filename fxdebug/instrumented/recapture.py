@@ -11,6 +11,7 @@ signature (cached), and noted in ``trace_info``. Each extra capture keeps its ow
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor, nn
@@ -18,9 +19,10 @@ from torch.utils import _pytree as pytree
 
 from fxdebug.instrumented.modes import recipe
 
-__all__ = ["captures", "route_call", "signature"]
+__all__ = ["captures", "route_call", "signature", "with_signatures"]
 
 _STORE = "_fxdebug_signatures"
+_NAME = "_fxdebug_signature_name"
 
 
 def _kind(value: Any, shapes: bool = False) -> Any:
@@ -75,10 +77,32 @@ def route_call(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         other = rec.recapture(rec.model, "export", rec.passes, Inputs(*args, **kwargs), options)
         store[sig if _dynamic(other) else shaped] = other
         names = sorted(kwargs) if kwargs else [f"{len(args)} positional"]
+        other.__dict__[_NAME] = "+".join(n.replace(" ", "_") for n in names)  # its rows read ``node@labels``
         _notes(gm).append(
             f"export: captured again for a call with another signature ({', '.join(names)}); "
             f"{len(store) - 1} extra capture(s), reported by fxdebug.instrumented.recapture.captures(dbg)")
     return other
+
+
+def with_signatures(gm: nn.Module, report: Any) -> Any:
+    """``report`` (of ``gm``'s own graph) with the rows and calls of its captures for other signatures.
+
+    A training loop that always passes ``labels=`` runs only the capture for that signature: without
+    these rows the report said 0 calls. Rows of such a capture read ``node@labels``.
+    """
+    extras = captures(gm)
+    if not extras:
+        return report
+    rows, calls = list(report.rows), report.calls
+    first = report.first_nonfinite
+    for other in extras:
+        rep = other.report()  # type: ignore[operator]
+        tag = f"@{other.__dict__.get(_NAME, 'signature')}"
+        rows.extend(dict(row, node=f"{row['node']}{tag}") for row in rep.rows)
+        calls += rep.calls
+        if first is None and rep.first_nonfinite is not None:
+            first = f"{rep.first_nonfinite}{tag}"
+    return dataclasses.replace(report, rows=rows, calls=calls, first_nonfinite=first)
 
 
 def captures(gm: nn.Module) -> list[nn.Module]:

@@ -68,7 +68,8 @@ class Divergence:
         candidate: ``(node name, module path)`` of the first candidate op that matches nothing in
             the reference and whose effect reaches the output.
         error: relative error ``‖c − r‖₂ / ‖r‖₂`` between the two (in the layout that fits best; for
-            ops of different sizes, ``nan``).
+            ops no layout lines up, such as ops of different sizes, how far their mean, rms and mean |x|
+            differ over the reference's rms).
         tolerance: the noise floor it exceeded.
         op: the candidate's aten op.
     """

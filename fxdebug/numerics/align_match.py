@@ -382,7 +382,7 @@ class _Matcher:
         """The reference op where the reference side parts (``reference_entries``), preferring one
         inside the reference module that ``ci``'s module corresponds to (of ``ci``'s size, else a float
         one), then a float one; the error between the two
-        (in the best layout, ``nan`` for ops of different sizes) and the floor."""
+        (in the best layout; for ops no layout lines up, how far their moments differ) and the floor."""
         C, R = self.C.trace, self.R.trace
         c = C.ops[ci]
         entries = self.reference_entries()
@@ -395,10 +395,21 @@ class _Matcher:
             return None, math.nan, self.tol(c, None)
         r = R.ops[pick]
         tol = self.tol(c, r)
-        if r.value.numel() != c.value.numel():
-            return pick, math.nan, tol
-        got = self.compare(self.C.value(ci).reshape(c.value.shape), self.R.value(pick).reshape(r.value.shape), tol, need=False)
-        return pick, (got[0] if got is not None else math.nan), tol
+        got = None
+        if r.value.numel() == c.value.numel():
+            got = self.compare(self.C.value(ci).reshape(c.value.shape), self.R.value(pick).reshape(r.value.shape), tol,
+                               need=False)
+        return pick, (got[0] if got is not None else self._moment_error(ci, pick)), tol
+
+    def _moment_error(self, ci: int, ri: int) -> float:
+        """For two ops no layout lines up (other sizes: RoPE tables of another shape): how far their mean,
+        rms and mean |x| differ over the reference's rms — the bound step 1 uses, a number rather than ``nan``."""
+        cm, rm = self.C.moments(ci), self.R.moments(ri)
+        diff = float((cm[:3] - rm[:3]).abs().max())
+        scale = float(rm[1])
+        if not math.isfinite(diff):
+            return math.inf
+        return diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf)
 
 
 def _merge_or_split(a: Sequence[int], b: Sequence[int]) -> bool:

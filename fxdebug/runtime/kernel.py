@@ -23,8 +23,8 @@ kernels instead — correct and extern-free, but measured slower on CPU so far (
 
 ``FXDEBUG_NO_KERNEL=1`` skips the build (forces the fallback); ``FXDEBUG_VERBOSE_BUILD=1`` shows
 the compiler's output. The build's name is keyed by a hash of the C++ source, the compiler flags
-and the torch version, so checkouts with different sources or torch builds never rebuild over
-each other's cache; a build says so on stderr (it takes tens of seconds, once per machine).
+and the torch installation (its path, version and build), so checkouts with different sources,
+torch builds or environments never rebuild over each other's cache; a build says so on stderr (it takes tens of seconds, once per machine).
 """
 
 from __future__ import annotations
@@ -94,16 +94,27 @@ def _cflags() -> tuple[str, list[str]]:
 
 
 def build_name() -> tuple[str, list[str]]:
-    """The extension's cache name: keyed by a hash of the sources, the flags and the torch version
-    (two checkouts, or two torch builds, never rebuild over each other), and its flags."""
+    """The extension's cache name: keyed by a hash of the sources, the flags and the torch installation
+    (two checkouts, two torch builds, or two environments with one torch version never rebuild over each
+    other), and its flags."""
     name, flags = _cflags()
     h = hashlib.sha256()
     for src in _SOURCES:
         h.update(src.read_bytes())
     h.update(" ".join(flags).encode())
-    h.update(torch.__version__.encode())
-    h.update(str(getattr(torch.version, "git_version", "")).encode())
+    h.update(_torch_installation().encode())
     return f"{name}_{h.hexdigest()[:12]}", flags
+
+
+def _torch_installation() -> str:
+    """The torch the kernel builds against: where it is installed, its version and its build (git commit,
+    CUDA/ROCm, C++ ABI) and the Python it runs under. Two environments with the same torch version (a venv
+    and a conda env) have their own build folders instead of rebuilding the kernel over each other's."""
+    where = os.path.realpath(os.path.dirname(torch.__file__))
+    build = (torch.__version__, getattr(torch.version, "git_version", ""), getattr(torch.version, "cuda", None),
+             getattr(torch.version, "hip", None), getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None),
+             sys.version_info[:2])
+    return f"{where}|{build!r}"
 
 
 def _built(name: str) -> bool:
