@@ -214,3 +214,31 @@ def test_a_module_called_before_and_after_a_graph_break_is_two_places():
     _bitwise(dbg, model, ref, x)
     rows = [r for r in dbg.report().rows if r["module"] == "a"]
     assert len(rows) == 2 and all(r["calls"] == 2 for r in rows)  # one row with 4 calls before
+
+
+def test_faster_rcnn_shaped_detector_each_box_helper_call_its_own_rows():
+    """tests/real_models.py's detector: clip_boxes/decode_boxes run behind graph breaks from the RPN (once per
+    image) and from the ROI heads; the RPN's and ROI heads' forwards are skipped by Dynamo (a data-dependent
+    step in a loop) and said so."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from real_models import RegionProposalNetwork, RoIHeads, detector
+
+    torch.manual_seed(0)
+    model, (images,) = detector()
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, [ShapeAssert(), NaNCheck(), StatCollector()], frontend="dynamo")
+    for _ in range(2):
+        got, want = dbg(images), ref(images)
+        assert all(torch.equal(g[k], w[k]) for g, w in zip(got, want) for k in w)
+    report = dbg.report()
+    stacks = {r["module"]: tuple(r["shape"]) for r in report.rows if r["node"].endswith("clip_boxes_stack")}
+    assert set(stacks) == {"rpn", "roi_heads"}
+    names = {r["node"] for r in report.rows}
+    assert {"rpn_clip_boxes_stack", "rpn_clip_boxes_1_stack", "roi_heads_clip_boxes_stack"} <= names  # per image
+    for cls in (RegionProposalNetwork, RoIHeads):
+        line = f"real_models.py:{cls.forward.__code__.co_firstlineno}"
+        assert any(f"skipped frame forward ({line})" in n and "graph break in loop" in n for n in report.notes)
+    assert not any("could not tell a value from the captures' rows" in n for n in report.notes)  # nothing merged

@@ -32,14 +32,31 @@ _FAILED = object()
 
 
 def find_skipped_modules(live: Any) -> None:
-    """Note which submodules' forwards Dynamo skipped (``SKIPPED``, process-wide), to route them from the next call."""
+    """Note which submodules' forwards Dynamo skipped (``SKIPPED``, process-wide), to route them from the next call.
+
+    A skipped forward whose calls Dynamo captured as frames of their own (its submodules' forwards, the
+    helpers it calls: graphs whose call site is inside it) is observed already, through those graphs, each
+    at its own call site: it is not routed (a snapshot would take them out of Dynamo's hands); a note says
+    its own code ran eagerly."""
     state = live.__dict__
     found: dict[str, Skip] = state.setdefault("_skipped_modules", {})
+    seen: dict[str, Skip] = state.setdefault("_skipped_seen", {})
     for path, module in live._model.named_modules():
-        if not path or path in found:
+        if not path or path in found or path in seen:
             continue
         skip = next((SKIPPED[c] for c in root_codes(module) if c in SKIPPED), None)
-        if skip is not None:
+        if skip is None:
+            continue
+        inner = sorted({g.site.module or "<root>" for g in state["_parts"] if getattr(g, "site", None) is not None
+                        and (g.site.module == path or g.site.module.startswith(path + "."))})
+        if inner:
+            seen[path] = skip
+            add_note(live.trace_info.notes,
+                     f"dynamo: {path} ({type(module).__name__}): its forward runs without a graph (Dynamo skipped it, "
+                     f"{skip.where}); what it calls is captured as graphs of their own, each at its call site (in "
+                     f"{', '.join(inner[:6])}{', ...' if len(inner) > 6 else ''}); its own code between them runs "
+                     "eagerly, unobserved.")
+        else:
             found[path] = skip
 
 
