@@ -99,9 +99,13 @@ def test_outer_torch_compile_compiles_with_the_users_options(inductor_calls: dic
     assert rows and all(row["calls"] == 3 for row in rows.values())
     notes = dbg.report().notes
     assert any("inductor (epilogue_fusion=False) compiled" in n for n in notes), notes
+    compiles = inductor_calls["compiles"]
+    with torch.no_grad():  # another torch.compile with the same options: the same backend, nothing compiled again
+        torch.compile(dbg, options={"epilogue_fusion": False})(x)
+    assert inductor_calls["compiles"] == compiles and len(dbg.parts()) == 2  # the eager capture and the compiled one
     with torch.no_grad():  # the live module without the outer compile: eager again, the same rows go on counting
         torch.testing.assert_close(dbg(x), model(x), rtol=0, atol=0)
-    assert all(row["calls"] == 4 for row in _rows(dbg).values())
+    assert all(row["calls"] == 5 for row in _rows(dbg).values())
 
 
 def test_backward_through_the_compiled_instrumented_model(inductor_calls: dict[str, Any]) -> None:

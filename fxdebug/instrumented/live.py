@@ -31,7 +31,7 @@ from fxdebug.authoring.context import NAMESPACE
 from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.live import _global_hook_count
-from fxdebug.capture.dynamo_backends import compiled, compiler_for
+from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
 from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.symbolic import TraceInfo
@@ -42,7 +42,7 @@ from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
-from fxdebug.instrumented.live_call import backend_note, live_call, modes_on
+from fxdebug.instrumented.live_call import backend_note, live_call, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_skips import watched
@@ -95,7 +95,7 @@ class LiveInstrumented(Instrumented):
         state["_globals"] = _global_hook_count()  # Dynamo does not guard global module hooks: checked per call
         state["_backend"] = backend  # instrument(backend=): "eager", or "inductor" compiles the instrumented graphs
         state["_compiled"] = _compiled_entry(model, compiler_for(backend))
-        state["_entries"] = []  # (an outer torch.compile's backend, the entry compiled for it)
+        state["_entries"] = []  # (the composite backend for an outer torch.compile's backend, the entry compiled for it)
         return gm
 
     def recompile(self) -> Any:
@@ -161,14 +161,18 @@ class LiveInstrumented(Instrumented):
 
     def _entry_now(self) -> Any:
         """The compiled entry for this call: the module's own, or one whose graphs the outer ``torch.compile``'s
-        backend compiles (``live_call`` found it active), one per distinct backend."""
-        state = self.__dict__
-        outer = state.get("_outer")
+        backend compiles (``live_call`` found it active), one per distinct backend (its composite backend)."""
+        outer = outer_now()
         if outer is None:
-            return state["_compiled"]
-        for compiler, entry in state["_entries"]:
-            if compiler is outer:
+            return self.__dict__["_compiled"]
+        backend = composite(outer)
+        entries: list[tuple[Any, Any]] = self.__dict__["_entries"]
+        for have, entry in entries:
+            if have is backend:
                 return entry
+        entry = _compiled_entry(self._model, outer)
+        entries.append((backend, entry))
+        return entry
         entry = _compiled_entry(self._model, outer)
         state["_entries"].append((outer, entry))
         return entry

@@ -9,6 +9,7 @@ switched off for fxdebug's own Python and its backend (the user's Inductor) comp
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
@@ -19,7 +20,7 @@ from fxdebug.capture.dynamo import DynamoGraph
 from fxdebug.capture.dynamo_backends import compiler_label, outer_compiler
 from fxdebug.instrumented.live_parts import _Part
 
-__all__ = ["backend_note", "live_call", "modes_on"]
+__all__ = ["backend_note", "live_call", "modes_on", "outer_now"]
 
 _OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
@@ -33,17 +34,23 @@ def live_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     eval-frame callback still set. The callback is switched off here (fxdebug's own Python is never compiled) and
     its backend, the user's (Inductor with their ``mode=`` / ``options=``), compiles the instrumented graphs."""
     prior = _set_eval_frame(None)
-    state = self.__dict__
-    saved, state["_outer"] = state.get("_outer"), (outer_compiler(prior) if prior else None)
+    saved = getattr(_NOW, "outer", None)
+    _NOW.outer = outer_compiler(prior) if prior else None
     try:
-        if any(state.get(name) for name in _OWN_HOOKS):
+        if any(self.__dict__.get(name) for name in _OWN_HOOKS):
             return nn.Module._call_impl(self, *args, **kwargs)
         return self._live_call(*args, **kwargs)
     finally:
-        state["_outer"] = saved
+        _NOW.outer = saved
         _set_eval_frame(prior)
 
 
+def outer_now() -> Any:
+    """The outer ``torch.compile``'s backend for the live call running now in this thread (``None``: none)."""
+    return getattr(_NOW, "outer", None)
+
+
+_NOW = threading.local()
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 _skip: Any = getattr(torch._dynamo.decorators, "skip", None) or torch._dynamo.disable  # (not traced, not disabled)
 live_call = _skip(live_call)
