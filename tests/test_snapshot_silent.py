@@ -4,8 +4,10 @@ or refused with a ``TraceError`` naming the construct and what to do."""
 
 from __future__ import annotations
 
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -254,3 +256,43 @@ def test_a_qat_prepared_model_instruments(frontend: str) -> None:
 def test_a_qat_prepared_model_is_refused_by_export_naming_its_hooks() -> None:
     with pytest.raises(fxdebug.TraceError, match="quant.*hooks"):
         _instrument(_qat_model(), torch.randn(3, 4), "export")
+
+
+class _Draws(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x * float(np.random.uniform()) + random.random()
+
+
+class WithDraws(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.noise = _Draws()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.noise(self.fc(x))
+
+
+def _same_draws(dbg: nn.Module, model: nn.Module, x: Tensor) -> None:
+    for seed in range(3):
+        random.seed(seed), np.random.seed(seed)
+        want = model(x)
+        random.seed(seed), np.random.seed(seed)
+        assert torch.equal(dbg(x), want)
+
+
+@pytest.mark.parametrize("frontend", ["symbolic", "subtrees"])
+def test_a_python_or_numpy_draw_runs_at_every_call(frontend: str) -> None:
+    model, x = WithDraws(), torch.randn(3, 4)
+    dbg = _instrument(model, x, frontend)
+    _same_draws(dbg, model, x)
+    if frontend == "symbolic":
+        assert "noise" in dbg.trace_info.auto_leaves  # the drawing module stays eager
+
+
+def test_a_draw_in_the_root_forward_is_refused_by_symbolic_and_export() -> None:
+    x = torch.randn(3, 4)
+    with pytest.raises(fxdebug.TraceError, match=r"draws np\.random\.uniform\(\).*frontend='auto'"):
+        _instrument(_Draws(), x, "symbolic")
+    with pytest.raises(fxdebug.TraceError, match=r"draws np\.random\.uniform\(\).*frontend='auto'"):
+        _instrument(WithDraws(), x, "export")

@@ -38,7 +38,7 @@ from fxdebug.capture.faithful import (
     patched_for_tracing,
     writes_and_functions,
 )
-from fxdebug.capture.faithful_reads import TORCH, fast_path_modules, seeds, torch_reads
+from fxdebug.capture.faithful_reads import TORCH, draws, fast_path_modules, seeds, torch_reads
 
 __all__ = ["ExportWatch", "export_shell", "watched_export"]
 
@@ -137,7 +137,15 @@ def watched_export(model: nn.Module) -> Iterator[ExportWatch]:
             watch.guards = [(paths[k[0]], k[1], v) for k, (_, v) in attribute_reads().items() if k[0] in paths]
             watch.guards += [(TORCH, k, v) for k, v in torch_reads().items()]  # torch's modes forward read
             reseeds = seeds()
+            drawn = draws()
             watch.fast_paths = fast_path_modules()
+    for name, where in drawn[:1]:
+        at = f" at {where}" if where else ""
+        problems.append(TraceError(
+            f"the forward of {type(model).__name__}{at} draws {name}(); torch.export keeps the value drawn while "
+            "capturing as a constant, so every call would reuse it. Use frontend='auto' (drawn at every call), "
+            "'symbolic' or 'subtrees' (the drawing module stays eager), or draw with torch (torch.rand).",
+            module="", op=name))
     for where in reseeds[:1]:
         at = f" at {where}" if where else ""
         problems.append(TraceError(

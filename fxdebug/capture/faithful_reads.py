@@ -1,6 +1,6 @@
 """What a trace reads outside the model's modules, and a forward's reseeding: guards and nodes for them.
 
-A snapshot frontend runs ``forward`` once. Three things it reads or does there are not attributes of a
+A snapshot frontend runs ``forward`` once. Four things it reads or does there are not attributes of a
 module (those are guarded by ``faithful._watched_class``), and each made a graph that runs differently
 from the model with no error:
 
@@ -12,6 +12,9 @@ from the model with no error:
   of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention``): the graph holds the branch of the
   trace's modes. While a trace runs those functions record what they answered; the answers are
   guards (path ``TORCH``), checked against the modes of each call.
+* **a draw from Python's ``random`` or ``np.random``** ran once, at trace time, and its value became a
+  constant. A symbolic trace raises ``RandomDraw`` there (the drawing module stays eager, or the root
+  is refused); torch.export's draws are listed in ``draws()`` and refused.
 * **``torch.manual_seed`` in forward** ran once, at trace time: the graph would draw from wherever the
   stream was. During a symbolic trace it becomes a ``reseed`` node that reseeds at every call; for
   torch.export (which cannot hold a Python call) it is listed in ``seeds()`` and refused.
@@ -34,7 +37,7 @@ from torch.fx.node import has_side_effect
 
 from fxdebug.graph.module_state import _MODULE_INTERNALS, _PLAIN
 
-__all__ = ["TORCH", "caller_location", "config_guards", "fast_path_modules", "guard_value", "mode_now", "reads_scope", "reseed", "seeds", "torch_reads", "would_take_fast_path"]
+__all__ = ["TORCH", "RandomDraw", "draws", "caller_location", "config_guards", "fast_path_modules", "guard_value", "mode_now", "reads_scope", "reseed", "seeds", "torch_reads", "would_take_fast_path"]
 
 TORCH = "<torch>"  # the guard path of a global mode: (TORCH, "is_grad_enabled", True)
 _STATE = threading.local()
@@ -114,21 +117,72 @@ def _manual_seed(seed: Any) -> Any:
     return _ORIGINAL_SEED(seed)
 
 
+# -- Python's and numpy's random draws ---------------------------------------------------------------
+class RandomDraw(Exception):
+    """Forward drew from Python's or numpy's random stream while being traced symbolically (a value the
+    graph would keep as a constant): the tracer keeps the drawing module eager, or refuses at the root."""
+
+    def __init__(self, name: str, where: str | None) -> None:
+        at = f" at {where}" if where else ""
+        super().__init__(f"forward draws {name}(){at}, a random number the graph would freeze at its trace-time "
+                         "value (it runs eagerly where the module stays eager)")
+        self.name, self.where = name, where
+
+
+_PY_DRAWS = ("random", "uniform", "randint", "randrange", "choice", "choices", "gauss", "normalvariate",
+             "shuffle", "sample", "betavariate", "expovariate", "triangular")
+_NP_DRAWS = ("rand", "randn", "random", "random_sample", "uniform", "randint", "choice", "normal", "permutation",
+             "shuffle", "binomial", "poisson", "beta", "standard_normal", "integers")
+
+
+def _draw(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def draw(*args: Any, **kwargs: Any) -> Any:
+        found = getattr(_STATE, "draws", None)
+        if found is not None:
+            filename = sys._getframe(1).f_code.co_filename
+            if not filename.startswith((_TORCH_DIR, _OURS)):
+                where = caller_location()
+                if getattr(_STATE, "tracer", None) is not None:
+                    raise RandomDraw(name, where)
+                found.append((name, where))
+        return original(*args, **kwargs)
+
+    draw.__name__ = getattr(original, "__name__", name)
+    return draw
+
+
+def _draw_targets() -> list[tuple[Any, str, Any]]:
+    import random
+
+    found = [(random, n, _draw(f"random.{n}", getattr(random, n))) for n in _PY_DRAWS if hasattr(random, n)]
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        found += [(numpy.random, n, _draw(f"np.random.{n}", getattr(numpy.random, n)))
+                  for n in _NP_DRAWS if hasattr(numpy.random, n)]
+    return found
+
+
+def draws() -> list[tuple[str, str | None]]:
+    """The random draws of Python and numpy forward made in the current scope (torch.export: refused)."""
+    return list(getattr(_STATE, "draws", None) or [])
+
+
 def targets() -> list[tuple[Any, str, Any]]:
     """``(owner, name, replacement)`` patched while a trace runs (see ``faithful.patched_for_tracing``)."""
     found: list[tuple[Any, str, Any]] = [(torch, n, _recorder(n, fn)) for n, fn in _MODES.items()]
     found += [(torch, "manual_seed", _manual_seed), (torch.random, "manual_seed", _manual_seed)]
-    return found
+    return found + _draw_targets()
 
 
 @contextlib.contextmanager
 def reads_scope(tracer: Any) -> Iterator[None]:
     """Record the modes read and the seeds set in this thread; ``tracer`` records ``reseed`` nodes."""
     prev = (getattr(_STATE, "reads", None), getattr(_STATE, "seeds", None), getattr(_STATE, "tracer", None),
-            getattr(_STATE, "fast", None))
+            getattr(_STATE, "fast", None), getattr(_STATE, "draws", None))
     _STATE.reads = {} if prev[0] is None else prev[0]
     _STATE.seeds = [] if prev[1] is None else prev[1]
     _STATE.fast = {} if prev[3] is None else prev[3]
+    _STATE.draws = [] if prev[4] is None else prev[4]
     _STATE.tracer = tracer
     try:
         yield
@@ -136,7 +190,7 @@ def reads_scope(tracer: Any) -> Iterator[None]:
         if tracer is not None:
             tracer.fxdebug_modes = dict(_STATE.reads)
             tracer.fxdebug_seeds = list(_STATE.seeds)
-        _STATE.reads, _STATE.seeds, _STATE.tracer, _STATE.fast = prev
+        _STATE.reads, _STATE.seeds, _STATE.tracer, _STATE.fast, _STATE.draws = prev
 
 
 def torch_reads() -> dict[str, bool]:

@@ -28,7 +28,7 @@ from torch.fx import Graph, Tracer
 
 from fxdebug.errors import TraceError
 from fxdebug.capture.faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
-from fxdebug.capture.faithful_reads import TORCH, config_guards
+from fxdebug.capture.faithful_reads import TORCH, RandomDraw, config_guards
 from fxdebug.capture.inplace_proxy import MutatingProxy
 from fxdebug.capture.live import LiveGuard
 from fxdebug.graph.inputs import Inputs, normalize_inputs, untouched_state
@@ -373,6 +373,12 @@ def _trace_with_leaves(
 def _trace_error(model: nn.Module, failed: str, exc: Exception, auto_leaf: bool) -> TraceError:
     where = _user_location(exc)
     at = f" at {where}" if where else ""
+    if isinstance(exc, RandomDraw) and not failed:
+        return TraceError(
+            f"the root forward of {type(model).__name__}{f' at {exc.where}' if exc.where else ''} draws {exc.name}(), "
+            "a random number the graph would freeze at its trace-time value, and the root cannot stay eager. "
+            "Use frontend='auto' (the draw runs at every call) or 'subtrees' (the root stays eager), or draw "
+            "with torch (torch.rand, a graph op).", module="", op=exc.name)
     if isinstance(exc, StateWrite) and not failed:
         return TraceError(
             f"the root forward of {type(model).__name__}{at} assigns self.{exc.name} (it updates {exc.described} of the model). "
