@@ -242,3 +242,31 @@ def test_faster_rcnn_shaped_detector_each_box_helper_call_its_own_rows():
         line = f"real_models.py:{cls.forward.__code__.co_firstlineno}"
         assert any(f"skipped frame forward ({line})" in n and "graph break in loop" in n for n in report.notes)
     assert not any("could not tell a value from the captures' rows" in n for n in report.notes)  # nothing merged
+
+
+def test_a_helper_in_a_long_loop_shares_rows_past_the_cap_and_says_so():
+    from fxdebug.capture.dynamo_sites import MAX_OCCURRENCES
+
+    class Many(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            total = y
+            for _ in range(MAX_OCCURRENCES + 3):
+                total = total + clip_boxes(y)
+            return total
+
+    torch.manual_seed(0)
+    model = Many()
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, [StatCollector()], frontend="dynamo")
+    x = torch.randn(2, 3)
+    assert torch.equal(dbg(x), ref(x))
+    report = dbg.report()
+    muls = [r for r in report.rows if r["op"].endswith("mul")]
+    assert len(muls) == MAX_OCCURRENCES + 1
+    assert max(r["calls"] for r in muls) == 3  # the 33rd..35th calls share the last row
+    assert any(f"more than {MAX_OCCURRENCES} times" in n for n in report.notes)

@@ -45,6 +45,7 @@ _RESUME = re.compile(r"^torch_dynamo_resume_in_(.+?)_at_\d+$")
 _USER, _SKIP, _MODULE_CALL = 0, 1, 2
 _INFOS: dict[CodeType, tuple[int, tuple[str, str], str, bool]] = {}
 _MAX_DEPTH = 200
+MAX_OCCURRENCES = 32  # calls of one graph at one place in one call that get rows of their own
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,14 @@ def _locate(state: dict[str, Any], model: nn.Module, graph: DynamoGraph,
     if counts is None:
         counts = state["_site_counts"] = {}  # the live module starts a fresh one at each call
     key = (graph.frame, path, caller)  # Dynamo numbers frames per code object (two resume functions can share a name)
-    occurrence = counts.get(key, 0)
-    counts[key] = occurrence + 1
+    seen = counts.get(key, 0)
+    counts[key] = seen + 1
+    occurrence = min(seen, MAX_OCCURRENCES)  # a helper in a long loop: the calls past the cap share one row
+    if seen == MAX_OCCURRENCES and key not in state.setdefault("_site_capped", {}):
+        where = "/".join(p for p in (path, function) if p) or "<root>"
+        state["_site_capped"][key] = (f"dynamo: {where} ran more than {MAX_OCCURRENCES} times at one place in one call "
+                                      f"(a loop): its calls from the {MAX_OCCURRENCES + 1}th on share one set of rows "
+                                      f"({where}#{MAX_OCCURRENCES}); ShapeAssert compares them with each other")
     return path, caller, occurrence, function
 
 

@@ -40,6 +40,8 @@ def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     with routed_skipped_modules(live), recorded_skips() as skips:
         out = entry(*args, **kwargs)
     notes = live.trace_info.notes
+    for note in state.get("_site_capped", {}).values():  # (capture/dynamo_sites.py)
+        add_note(notes, note)
     for skip in skips:
         add_note(notes, skip_note(skip))
     if skips or "_skipped_modules" not in state:  # a submodule's forward skipped (now, or by another live module)
