@@ -150,3 +150,13 @@ def test_kernel_build_folder_is_keyed_by_the_torch_installation(monkeypatch: Any
     assert other != name  # same torch version, another installation: another folder
     monkeypatch.undo()
     assert kernel.build_name()[0] == name
+
+
+@pytest.mark.parametrize("frontend", ["auto", "symbolic", "export", "subtrees"])
+def test_collect_with_dict_batches_finds_a_row_by_its_module_path(frontend: str) -> None:
+    model = WithLabels()
+    batches = [{"x": torch.randn(5, 4), "labels": torch.randint(0, 3, (5,))} for _ in range(2)]
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs={"x": torch.randn(5, 4)}, frontend=frontend)
+    report = fxdebug.collect(dbg, [{"x": b["x"]} for b in batches], progress=False)
+    row = report.row("fc")
+    assert row["module"] == "fc" and row["calls"] == 2 and tuple(row["shape"]) == (5, 3)

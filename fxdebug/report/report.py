@@ -51,10 +51,15 @@ class Report:
 
     # -- lookup ---------------------------------------------------------------------------------
     def row(self, node: str) -> dict[str, Any]:
-        """The row of node ``node`` (KeyError naming the known nodes otherwise)."""
+        """The row of node ``node``; else, where no node has that name, the output row of module ``node``
+        (the last row the module produced: an export or subtrees graph names nodes by op, ``linear``, where a
+        live or symbolic one names a leaf module's row ``fc``). KeyError naming the known nodes otherwise."""
         for r in self.rows:
             if r["node"] == node:
                 return r
+        owned = [r for r in self.rows if r.get("module") == node and r.get("op") != "placeholder"]
+        if owned:
+            return owned[-1]
         raise KeyError(f"no row for node {node!r}; observed nodes: {[r['node'] for r in self.rows][:20]}")
 
     def __getitem__(self, node: str) -> dict[str, Any]:
