@@ -17,6 +17,7 @@ counted by Dynamo's counters (``unique_graphs`` of the live module's own capture
 
     python tools/bench_compile.py                  # the four models of the issue
     python tools/bench_compile.py --models "hf gpt2 2L d64 2x16" --rounds 5
+    python tools/bench_compile.py --stats inline   # the observation as reductions Inductor fuses into the producers
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def steady(name: str, rounds: int, calls: int) -> dict[str, Any]:
             "rows": len(dbg.report().rows)}
 
 
-def _child(args: list[str], cache: bool = False) -> dict[str, Any]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _child(args: list[str], cache: bool = False, stats: str = "extern") -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", FXDEBUG_COMPILE_STATS=stats)
     if not cache:
         env.update(TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="fxdebug_bench_compile_"),
                    TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
@@ -131,6 +132,8 @@ def main() -> None:
     p.add_argument("--models", nargs="*", default=MODELS)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--stats", choices=("extern", "inline"), default="extern",
+                   help="the observation in compiled graphs: one extern op call per node, or inlined reductions")
     p.add_argument("--cold", type=int, default=3, help="cold-compile processes per variant (alternating order)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -138,7 +141,7 @@ def main() -> None:
         kind, *rest = json.loads(a.child)
         print(json.dumps(cold(*rest) if kind == "cold" else steady(rest[0], int(rest[1]), int(rest[2]))))
         return
-    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs)")
+    print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs); observation: {a.stats}")
     print("| model | plain ms | fxdebug ms | steady ratio (min..max) | compile s plain | compile s fxdebug | "
           "cold ratio | instrument s | graphs plain / fxdebug |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -146,14 +149,15 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], "fxdebug": []}
         for i in range(a.cold):
             for variant in (("plain", "fxdebug") if i % 2 == 0 else ("fxdebug", "plain")):
-                runs[variant].append(_child(["cold", name, variant]))
+                runs[variant].append(_child(["cold", name, variant], stats=a.stats))
         cp = {"compile_s": statistics.median(r["compile_s"] for r in runs["plain"]), "graphs": runs["plain"][0]["graphs"]}
         cf = {"compile_s": statistics.median(r["compile_s"] for r in runs["fxdebug"]), "graphs": runs["fxdebug"][0]["graphs"],
               "instrument_s": statistics.median(r["instrument_s"] for r in runs["fxdebug"]),
               "notes": runs["fxdebug"][0].get("notes", []),
               "spread": [round(r["compile_s"], 1) for r in runs["fxdebug"]],
               "plain_spread": [round(r["compile_s"], 1) for r in runs["plain"]]}
-        st = _child(["steady", name, a.rounds, a.calls], cache=True)
+        # the FX graph cache does not key on the inline registration: a fresh one for it
+        st = _child(["steady", name, a.rounds, a.calls], cache=a.stats == "extern", stats=a.stats)
         print(f"| {name} | {st['plain_ms']:.2f} | {st['fxdebug_ms']:.2f} | {st['ratio']:.2f}x "
               f"({st['ratio_min']:.2f}..{st['ratio_max']:.2f}) | {cp['compile_s']:.1f} | {cf['compile_s']:.1f} | "
               f"{cf['compile_s'] / cp['compile_s']:.2f}x | {cf['instrument_s']:.1f} | {cp['graphs']} / {cf['graphs']} |",
