@@ -147,3 +147,39 @@ def test_a_skipped_submodule_is_observed_through_a_snapshot_of_it():
     assert rows["inner.fc/linear"]["calls"] == 6  # three per call, from the second call on
     assert any(r["module"] == "out" for r in report.rows)  # the graphs around it still observed
     assert "0 recompile(s)" in next(n for n in report.notes if "captured over" in n)
+
+
+def breaks_first(t):
+    torch._dynamo.graph_break()
+    return t.relu() * 2
+
+
+class CheckpointedBreak(nn.Module):
+    """A graph break inside torch.utils.checkpoint: no graph ends there, the checkpointed block runs eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def block(self, x):
+        return breaks_first(self.fc(x))
+
+    def forward(self, x):
+        return self.out(torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_a_break_no_graph_ends_at_is_a_note_and_dynamo_s_log_stays_quiet(caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model = CheckpointedBreak()
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, [StatCollector()], frontend="dynamo")
+    x = torch.randn(3, 4)
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(2):
+            assert torch.equal(dbg(x), ref(x))
+    line = breaks_first.__code__.co_firstlineno + 1
+    notes = [n for n in dbg.report().notes if f"graph break at test_skipped_frames.py:{line} in breaks_first" in n]
+    assert len(notes) == 1 and "ran eagerly, unobserved" in notes[0] and "graph_break()" in notes[0]
+    assert not any("Graph break in user code" in r.getMessage() for r in caplog.records)

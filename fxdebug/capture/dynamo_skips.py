@@ -1,4 +1,4 @@
-"""The frames Dynamo skipped while a live call ran, with Dynamo's own reason, in fxdebug's words.
+"""The frames Dynamo skipped and the graph breaks it logged while a live call ran, in fxdebug's words.
 
 A frame Dynamo cannot capture at all (a graph break inside a ``for``/``while`` loop: "graph break
 in loop ... skipping frame"; an error it suppressed) runs eagerly, every time, without a graph:
@@ -13,19 +13,24 @@ call and turns what it gathered into ``Skip``s naming the function, file:line an
 The list is per thread and only filled on the first call that meets a frame (Dynamo then keeps
 "skip" for that code object): ``SKIPPED`` remembers every skip seen in this process, so a second
 live module of the same class still learns that its forward is skipped.
+
+``recorded_breaks`` listens to Dynamo's graph-break log (its ``graph_breaks`` artifact logger, quiet to
+everyone else unless the user turned it on) for the breaks no captured graph ends at; ``BREAKS`` keeps
+them per model class, for the same reason.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
-__all__ = ["SKIPPED", "Skip", "recorded_skips", "summarize_reason"]
+__all__ = ["BREAKS", "SKIPPED", "Break", "Skip", "recorded_breaks", "recorded_skips", "summarize_reason"]
 
 _TORCH = os.path.join(os.path.dirname(os.path.abspath(torch.__file__ or "")), "")
 _FXDEBUG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
@@ -120,3 +125,89 @@ def recorded_skips() -> Iterator[list[Skip]]:
             if skip is not None and skip not in found:
                 found.append(skip)
                 SKIPPED.setdefault(skip.code, skip)
+
+
+# -- graph breaks ------------------------------------------------------------------------------------
+# A graph break is named by the graph that ends at it (``compile_subgraph_reason``); when no graph ends there (the
+# code before it had no tensor op, or it broke inside ``torch.utils.checkpoint``), only Dynamo's graph-break log
+# says it happened: its artifact logger is listened to for the length of a live call.
+_BREAK = re.compile(r"in user code at (?P<file>.+?):(?P<line>\d+)\nGraph Break Reason: (?P<reason>.*?)(?:\nUser code traceback:|$)",
+                    re.S)
+_TRACING = re.compile(r"^Encountered graph break when attempting to trace [^:]*:[^:]*:\s*")
+
+
+@dataclass(frozen=True)
+class Break:
+    """A graph break Dynamo logged: ``file:line`` of the user's code, the function, the line's code, the reason."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+    reason: str
+
+    @property
+    def where(self) -> str:
+        return (f"{os.path.basename(self.file)}:{self.line}" + (f" in {self.function}" if self.function else "")
+                + (f" `{self.code}`" if self.code else ""))
+
+
+BREAKS: dict[Any, list[Break]] = {}  # per model class: the breaks met while a live module of it ran
+
+
+class _Listener(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.found: list[Break] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()
+        except Exception:
+            return
+        m = _BREAK.search(text)
+        if m is None:
+            return
+        file, line = m.group("file"), int(m.group("line"))
+        function, code = "", ""
+        tail = re.findall(rf'File "{re.escape(file)}", line {line}, in (\S+)\n\s*([^\n]*)', text)
+        if tail:
+            function, code = tail[-1][0], tail[-1][1].strip()
+        function = re.sub(r"^torch_dynamo_resume_in_(.+?)_at_\d+$", r"\1", function)
+        reason = _TRACING.sub("", " ".join(m.group("reason").split()))
+        reason = re.split(r" (?:Hint:|Developer debug context:|For more details)", reason)[0].strip()
+        found = Break(file, line, function, code, reason)
+        for i, have in enumerate(self.found):
+            if (have.file, have.line) == (file, line):  # Dynamo logs a break again (user stack suppressed)
+                if not have.function and function:
+                    self.found[i] = found
+                return
+        self.found.append(found)
+
+
+@contextlib.contextmanager
+def recorded_breaks(owner: Any) -> Iterator[list[Break]]:
+    """Every graph break Dynamo logs while this is open, also kept in ``BREAKS[owner]`` (Dynamo logs a break once,
+    when it first captures there: a second live module of the class is told from there)."""
+    try:
+        from torch._dynamo.symbolic_convert import graph_break_log as log
+    except Exception:  # another torch
+        yield []
+        return
+    listener = _Listener()
+    enabled = log.isEnabledFor(logging.DEBUG)  # the user's own TORCH_LOGS=graph_breaks: left as it is
+    level, propagate = log.level, log.propagate
+    log.addHandler(listener)
+    if not enabled:
+        log.setLevel(logging.DEBUG)
+        log.propagate = False  # only fxdebug hears it
+    try:
+        yield listener.found
+    finally:
+        log.removeHandler(listener)
+        if not enabled:
+            log.setLevel(level)
+            log.propagate = propagate
+        known = BREAKS.setdefault(owner, [])
+        have = {(b.file, b.line) for b in known}
+        known.extend(b for b in listener.found if (b.file, b.line) not in have)

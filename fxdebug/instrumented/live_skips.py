@@ -16,10 +16,11 @@ observed the same way, through a snapshot of that submodule (``live_skipped_modu
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 from fxdebug.capture.dynamo_names import root_codes
-from fxdebug.capture.dynamo_skips import SKIPPED, Skip, recorded_skips
+from fxdebug.capture.dynamo_skips import BREAKS, SKIPPED, Skip, recorded_breaks, recorded_skips
 from fxdebug.instrumented.live_skipped_modules import find_skipped_modules, routed_skipped_modules
 from fxdebug.instrumented.live_snapshots import add_note, skip_note, snapshot_of
 
@@ -37,9 +38,10 @@ def watched(live: Any, entry: Callable[..., Any]) -> Callable[..., Any]:
 def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     state = live.__dict__
     state["_graphs_this_call"] = 0
-    with routed_skipped_modules(live), recorded_skips() as skips:
+    with routed_skipped_modules(live), recorded_skips() as skips, recorded_breaks(type(live._model)):
         out = entry(*args, **kwargs)
     notes = live.trace_info.notes
+    _note_breaks(live, notes)
     for note in state.get("_site_capped", {}).values():  # (capture/dynamo_sites.py)
         add_note(notes, note)
     for skip in skips:
@@ -56,6 +58,19 @@ def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
                 add_note(notes, skip_note(root))
             _observe_otherwise(live, root, args, kwargs)
     return out
+
+
+def _note_breaks(live: Any, notes: list[str]) -> None:
+    """A note for each graph break Dynamo logged that no captured graph ends at (nothing before it in that frame
+    was a graph: the break comes first, or it broke inside ``torch.utils.checkpoint``)."""
+    known = BREAKS.get(type(live._model))
+    if not known:
+        return
+    ends = {g.where.split(" ", 1)[0] for g in live.graphs() if getattr(g, "where", "")}
+    for b in known:
+        if f"{os.path.basename(b.file)}:{b.line}" not in ends:
+            add_note(notes, f"dynamo: graph break at {b.where}: the code from there to the next graph ran eagerly, "
+                            f"unobserved (no graph ends there); Dynamo's reason: {b.reason[:300]}")
 
 
 def _observe_otherwise(live: Any, root: Skip, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
