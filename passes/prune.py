@@ -32,6 +32,7 @@ from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResul
 from fxdebug.authoring import Options, node_meta
 
 from .derived import mark_derived
+from .prune_aten import ffn_pairs, pair_masks
 from .prune_groups import channel_groups
 
 __all__ = ["Masked", "MaskedValue", "PruneMasks", "sparsity", "unmask"]
@@ -161,16 +162,18 @@ class PruneMasks(Pass):
 
     def _refuse_export(self, gm: GraphModule, found: dict[str, Any]) -> None:
         """What this pass cannot do on an export graph yet, said before anything changes."""
-        why = ("structured=\"channels\" (coupled channel groups are found on module calls)" if self.structured else
-               "bake=True" if self.bake else
+        why = ("bake=True" if self.bake else
                f"importance=\"{self.importance}\" (layer activations are read at module calls)"
-               if self.importance == "activation" else None)
+               if self.importance == "activation" else
+               f"structured=\"channels\" with importance=\"{self.importance}\"" if self.structured and
+               self.importance != "magnitude" else None)
         if why is not None:
+            works = ("structured=\"channels\" with importance=\"magnitude\" and bake=False (a feed-forward block's "
+                     "hidden channels), or structured=False with importance=\"magnitude\" or \"grad\"")
             raise PassError(
-                f"PruneMasks: {type(gm).__name__} is an export (aten-level) graph ({len(found)} aten conv/linear "
-                f"layer(s), e.g. {next(iter(found))}); on such graphs PruneMasks masks single weights only, not "
-                f"{why}. Use structured=False, bake=False and importance=\"magnitude\" or \"grad\" here, or capture "
-                "with frontend=\"symbolic\" (or \"subtrees\") for module-level graphs.", pass_name=self.name)
+                f"PruneMasks: {type(gm).__name__}'s graph calls its layers as functions (an export or Dynamo graph: "
+                f"{len(found)} conv/linear call(s), e.g. {next(iter(found))}); here PruneMasks does not do {why}. "
+                f"What works on this graph: {works}.", pass_name=self.name)
 
     def _layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, nn.Module]:
         layers: dict[str, nn.Module] = {}
@@ -321,7 +324,7 @@ class PruneMasks(Pass):
             aten = self._aten_layers(gm, ctx)
             if aten:
                 self._refuse_export(gm, aten)
-                return self._mask_reads(gm, ctx, aten)
+                return self._prune_pairs(gm, ctx, aten) if self.structured else self._mask_reads(gm, ctx, aten)
             return PassResult(gm, notes=["no conv or linear layers selected; nothing pruned."])
         masks = self._structured(gm, ctx, layers, notes) if self.structured else self._unstructured(gm, ctx, layers)
         replaced: dict[str, str] = {}
@@ -346,6 +349,50 @@ class PruneMasks(Pass):
         notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
         return PassResult(gm, replaced=replaced, notes=notes)
 
+
+    def _prune_pairs(self, gm: GraphModule, ctx: PassContext,
+                     aten: dict[str, tuple[nn.Module, dict[str, Node]]]) -> PassResult:
+        """Graphs calling ``linear`` as a function: a feed-forward block's hidden channels (``prune_aten``)."""
+        layers = {p: layer for p, (layer, _) in aten.items() if isinstance(layer, nn.Linear)}
+        pairs, why = ffn_pairs(gm, layers)
+        if not pairs:
+            example = next(iter(why.items()), ("?", "no Linear layers"))
+            raise PassError(
+                f"PruneMasks(structured=\"channels\"): {type(gm).__name__}'s graph calls its layers as functions, and "
+                "none of its Linear layers feeds its channels, through an activation, into exactly one other Linear "
+                f"(a feed-forward block), so no channel can be pruned without changing other paths: {example[0]}: "
+                f"{example[1]}. Use structured=False here (single weights; works on this graph).", pass_name=self.name)
+        cut = pair_masks(pairs, layers, self.amount, self.scope, self.norm)
+        added: list[Node] = []
+        notes: list[str] = []
+        for pair in pairs:
+            c = cut[pair]
+            producer, consumer = layers[pair.producer], layers[pair.consumer]
+            channels = [int(i) for i in c.nonzero().flatten()]
+            masks = {"weight": torch.ones_like(producer.weight), "consumer_weight": torch.ones_like(consumer.weight)}
+            masks["weight"][c] = 0
+            masks["consumer_weight"][:, c.to(consumer.weight.device)] = 0
+            if "bias" in pair.reads:
+                masks["bias"] = torch.ones_like(producer.bias)
+                masks["bias"][c] = 0
+            for key, read in pair.reads.items():
+                path = pair.consumer if key == "consumer_weight" else pair.producer
+                name = "weight" if key != "bias" else "bias"
+                w = masks[key]
+                info = {"layer": path, "sparsity": 1.0 - float(w.float().mean()), "masked": int((w == 0).sum()),
+                        "weights": w.numel(), "baked": False,
+                        ("channels" if key != "consumer_weight" else "input_channels"): channels}
+                new = ctx.insert_after(read, MaskedValue(path, name, w), rewire=True, hint=f"masked_{path}_{name}")
+                ctx.record(new, info, stands_for=path)
+                added.append(new)
+            notes.append(f"{pair.producer} -> {pair.consumer}: {len(channels)} of {len(c)} hidden channels pruned "
+                         f"(rows of {pair.producer}, input columns of {pair.consumer}).")
+        kept = [f"{p} ({w})" for p, w in why.items() if p not in {q.consumer for q in pairs}]
+        kept += [f"{p} (a conv called as a function: its channels are pruned on module-level graphs only)"
+                 for p, (layer, _) in aten.items() if p not in layers]
+        if kept:
+            notes.append(f"kept {len(kept)} layer(s) whole: " + "; ".join(kept[:6]) + ("; ..." if len(kept) > 6 else "") + ".")
+        return PassResult(gm, added=added, notes=notes)
 
     def _mask_reads(self, gm: GraphModule, ctx: PassContext,
                     aten: dict[str, tuple[nn.Module, dict[str, Node]]]) -> PassResult:

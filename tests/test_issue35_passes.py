@@ -155,3 +155,59 @@ def test_shape_assert_keeps_the_expectations_of_modules_that_were_not_replaced()
     with pytest.raises(fxdebug.ShapeMismatchError) as info:  # the batch dim is fixed: the input still breaks it
         dbg(torch.randn(6, 8))
     assert "fc" not in (info.value.module or "") and "(4, 8)" in str(info.value)
+
+
+# -- B13: structured pruning of a BERT's feed-forward channels -------------------------------------
+def _tiny_bert():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    return transformers.BertModel(cfg).eval(), torch.randint(0, 64, (2, 8))
+
+
+def _masked_values(dbg):
+    from fxdebug.passes.prune import MaskedValue
+
+    return [m for m in dbg.modules() if isinstance(m, MaskedValue)]
+
+
+def test_prune_channels_prunes_berts_feed_forward_channels():
+    import copy
+
+    from fxdebug.passes import PruneMasks
+
+    model, ids = _tiny_bert()
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(ids,))
+    masks = {(m.path, m.name): m.mask_value for m in _masked_values(dbg)}
+    for layer in range(2):
+        inter, out = f"encoder.layer.{layer}.intermediate.dense", f"encoder.layer.{layer}.output.dense"
+        rows = (masks[(inter, "weight")] == 0).all(1)
+        cols = (masks[(out, "weight")] == 0).all(0)
+        assert torch.equal(rows, cols) and torch.equal(rows, masks[(inter, "bias")] == 0)  # one channel, both sides
+        assert 0 < int(rows.sum()) < 32
+    assert sum(int((masks[(f"encoder.layer.{i}.intermediate.dense", "bias")] == 0).sum()) for i in range(2)) == 32
+    assert not any("attention" in path for path, _ in masks)  # attention and residual writers are kept whole
+    notes = next(r for r in dbg.pass_results if r.pass_name == "prune-masks").notes
+    assert any("kept" in n and "attention.self.query" in n for n in notes)
+    # what the instrumented model computes is the model with those weights zeroed, exactly
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for (path, name), mask in masks.items():
+            getattr(ref.get_submodule(path), name).mul_(mask)
+    torch.testing.assert_close(dbg(ids).last_hidden_state, ref(ids).last_hidden_state)
+    assert not torch.allclose(ref(ids).last_hidden_state, model(ids).last_hidden_state)
+    assert model.encoder.layer[0].intermediate.dense.weight.abs().min() > 0  # the model keeps its weights
+
+
+def test_prune_channels_without_a_feed_forward_block_says_what_works():
+    from fxdebug.passes import PruneMasks
+
+    model, ids = _tiny_bert()
+    with pytest.raises(fxdebug.PassError, match=r"Use structured=False here") as info:
+        fxdebug.instrument(model, [PruneMasks(0.5, structured="channels", where="*attention*")], example_inputs=(ids,))
+    assert "frontend=" not in str(info.value)  # no recommending frontends that fail on this model
+    dbg = fxdebug.instrument(model, [PruneMasks(0.5, where="*attention*")], example_inputs=(ids,))  # what it named works
+    assert _masked_values(dbg)
+    with pytest.raises(fxdebug.PassError, match="What works on this graph"):
+        fxdebug.instrument(model, [PruneMasks(0.5, structured="channels", importance="activation")], example_inputs=(ids,))

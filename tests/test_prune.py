@@ -208,5 +208,14 @@ def test_export_graphs_are_masked_like_module_graphs_or_refused_clearly():
     torch.testing.assert_close(exp(x), sym(x))
     torch.testing.assert_close(exp.to_module()(x), sym(x))
     assert torch.equal(model[0].weight, sym.get_submodule("0").weight)  # the model keeps its weights
-    with pytest.raises(fxdebug.PassError, match="export .*structured=\"channels\".*frontend=\"symbolic\""):
-        fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,), frontend="export")
+    # issue 35 B13: channels of a linear -> activation -> linear pair are pruned on such graphs too (rows of the
+    # first, input columns of the second); the conv is kept whole, and the notes say why
+    chan = fxdebug.instrument(model, [PruneMasks(0.5, structured="channels")], example_inputs=(x,), frontend="export")
+    masks = {(m.path, m.name): m.mask_value for m in chan.modules() if type(m).__name__ == "MaskedValue"}
+    assert set(masks) == {("3", "weight"), ("3", "bias"), ("5", "weight")}
+    assert torch.equal((masks[("3", "weight")] == 0).all(1), (masks[("5", "weight")] == 0).all(0))
+    assert int((masks[("3", "bias")] == 0).sum()) == 8
+    notes = next(r for r in chan.pass_results if r.pass_name == "prune-masks").notes
+    assert any("0 (a conv called as a function" in n for n in notes)
+    with pytest.raises(fxdebug.PassError, match="bake=True.*What works on this graph"):
+        fxdebug.instrument(model, [PruneMasks(0.5, structured="channels", bake=True)], example_inputs=(x,), frontend="export")
