@@ -63,13 +63,20 @@ def test_a_cache_whose_tensors_differ_is_a_mismatch_named_by_path() -> None:
     assert any("output 1.layers.0.keys differs" in m for m in result.mismatches), result.mismatches
 
 
-def test_hf_causal_lm_with_its_default_cache_verifies() -> None:
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_causal_lm_with_its_default_cache_verifies(arch: str) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
-                                  bos_token_id=0, eos_token_id=0)
+    if arch == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                                       bos_token_id=0, eos_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
     assert cfg.use_cache
-    model = transformers.GPT2LMHeadModel(cfg).eval()
     ids = torch.randint(0, 50, (1, 6))
     dbg = fxdebug.instrument(model, [NaNCheck()], example_inputs=(ids,))
     result = fxdebug.verify(dbg, (ids,))
