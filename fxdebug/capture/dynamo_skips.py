@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -156,11 +157,16 @@ BREAKS: dict[Any, list[Break]] = {}  # per model class: the breaks met while a l
 
 
 class _Listener(logging.Handler):
+    """One handler on Dynamo's graph-break logger for the process; it keeps what comes while a live call records."""
+
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
-        self.found: list[Break] = []
+        self.local = threading.local()
 
     def emit(self, record: logging.LogRecord) -> None:
+        found: list[Break] | None = getattr(self.local, "found", None)
+        if found is None:
+            return
         try:
             text = record.getMessage()
         except Exception:
@@ -176,38 +182,47 @@ class _Listener(logging.Handler):
         function = re.sub(r"^torch_dynamo_resume_in_(.+?)_at_\d+$", r"\1", function)
         reason = _TRACING.sub("", " ".join(m.group("reason").split()))
         reason = re.split(r" (?:Hint:|Developer debug context:|For more details)", reason)[0].strip()
-        found = Break(file, line, function, code, reason)
-        for i, have in enumerate(self.found):
+        new = Break(file, line, function, code, reason)
+        for i, have in enumerate(found):
             if (have.file, have.line) == (file, line):  # Dynamo logs a break again (user stack suppressed)
                 if not have.function and function:
-                    self.found[i] = found
+                    found[i] = new
                 return
-        self.found.append(found)
+        found.append(new)
+
+
+_LISTENER = _Listener()
+
+
+def _listening() -> bool:
+    """Put the listener on Dynamo's graph-break logger (once; again if ``torch._logging.set_logs`` reset it)."""
+    try:
+        from torch._dynamo.symbolic_convert import graph_break_log as log
+    except Exception:  # another torch
+        return False
+    if _LISTENER not in log.handlers:
+        if not log.isEnabledFor(logging.DEBUG):  # not turned on by the user (TORCH_LOGS=graph_breaks): only
+            log.propagate = False  # fxdebug hears it; setting the level once (it clears logging's caches)
+            log.setLevel(logging.DEBUG)
+        log.addHandler(_LISTENER)
+    return True
 
 
 @contextlib.contextmanager
 def recorded_breaks(owner: Any) -> Iterator[list[Break]]:
     """Every graph break Dynamo logs while this is open, also kept in ``BREAKS[owner]`` (Dynamo logs a break once,
     when it first captures there: a second live module of the class is told from there)."""
-    try:
-        from torch._dynamo.symbolic_convert import graph_break_log as log
-    except Exception:  # another torch
+    if not _listening():
         yield []
         return
-    listener = _Listener()
-    enabled = log.isEnabledFor(logging.DEBUG)  # the user's own TORCH_LOGS=graph_breaks: left as it is
-    level, propagate = log.level, log.propagate
-    log.addHandler(listener)
-    if not enabled:
-        log.setLevel(logging.DEBUG)
-        log.propagate = False  # only fxdebug hears it
+    before = getattr(_LISTENER.local, "found", None)
+    found: list[Break] = []
+    _LISTENER.local.found = found
     try:
-        yield listener.found
+        yield found
     finally:
-        log.removeHandler(listener)
-        if not enabled:
-            log.setLevel(level)
-            log.propagate = propagate
-        known = BREAKS.setdefault(owner, [])
-        have = {(b.file, b.line) for b in known}
-        known.extend(b for b in listener.found if (b.file, b.line) not in have)
+        _LISTENER.local.found = before
+        if found:
+            known = BREAKS.setdefault(owner, [])
+            have = {(b.file, b.line) for b in known}
+            known.extend(b for b in found if (b.file, b.line) not in have)
