@@ -1,4 +1,6 @@
-"""What naming a graph by its call site costs per call (issue 34 item 1), live frontend, CPU, one thread.
+"""What naming a graph by its call site (issue 34 item 1) and recording what Dynamo skipped (item 2) cost per call.
+
+Live frontend, CPU, one thread.
 
 ``capture.dynamo_sites.at_site`` runs for every graph Dynamo hands over, at every call: for the root
 forward's own graph it compares one code key; for any other graph it walks the stack from the
@@ -92,6 +94,13 @@ def main() -> None:
     print(f"whole instrumented call: {w * 1e6:.0f} us (median of {opts.rounds} rounds x {opts.calls} calls)")
     print(f"site look-ups: {per_call} per call (every graph run), {a * 1e6:.1f} us per call in all "
           f"= {a / w:.1%} of the call")
+    # what every live call pays for the notes of item 2 (skipped frames, graph breaks no graph ends at): the
+    # recording around Dynamo's entry, measured around an entry that does nothing
+    from fxdebug.instrumented.live_skips import watched
+
+    noop = watched(dbg, lambda *a, **k: None)
+    wrapped = statistics.median(_per_call(lambda: noop(x), opts.calls * 10) for _ in range(opts.rounds))
+    print(f"skip/break recording around each call: {wrapped * 1e6:.1f} us = {wrapped / w:.1%} of the call")
 
 
 if __name__ == "__main__":
