@@ -12,8 +12,9 @@ For each model (debugging sizes, ``bench_models.DEBUG_MODELS``), CPU, one thread
   ``--calls``), per-call medians per round; the ratio is the median of the per-round ratios, with its
   spread (min..max) across rounds.
 
-Bars (docs/performance.md): steady <= 1.30x median, cold <= 1.5x. Graph breaks beyond the model's own are
-counted by Dynamo's counters (``unique_graphs`` of the live module's own capture against the plain one).
+Bars (docs/performance.md): steady <= 1.30x median, cold <= 1.5x. Dynamo's counters give the graphs and graph
+breaks of each first call (the live module's: its model graph compiled for the outer backend, and the
+instrumented graph Inductor compiles; graph breaks beyond the model's own would show in the last column).
 
     python tools/bench_compile.py                  # the four models of the issue
     python tools/bench_compile.py --models "hf gpt2 2L d64 2x16" --rounds 5
@@ -83,6 +84,7 @@ def cold(name: str, variant: str) -> dict[str, Any]:
         compiled(*inputs)
         out["compile_s"] = time.perf_counter() - t0
     out["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    out["breaks"] = int(sum(torch._dynamo.utils.counters["graph_break"].values()))
     if variant == "fxdebug":
         out["notes"] = [n for n in subject.report().notes if n.startswith(("backend:", "dynamo:"))]
     return out
@@ -143,16 +145,17 @@ def main() -> None:
         return
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs); observation: {a.stats}")
     print("| model | plain ms | fxdebug ms | steady ratio (min..max) | compile s plain | compile s fxdebug | "
-          "cold ratio | instrument s | graphs plain / fxdebug |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "cold ratio | instrument s | graphs plain / fxdebug | graph breaks plain / fxdebug |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in a.models:
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], "fxdebug": []}
         for i in range(a.cold):
             for variant in (("plain", "fxdebug") if i % 2 == 0 else ("fxdebug", "plain")):
                 runs[variant].append(_child(["cold", name, variant], stats=a.stats))
-        cp = {"compile_s": statistics.median(r["compile_s"] for r in runs["plain"]), "graphs": runs["plain"][0]["graphs"]}
+        cp = {"compile_s": statistics.median(r["compile_s"] for r in runs["plain"]), "graphs": runs["plain"][0]["graphs"],
+              "breaks": runs["plain"][0]["breaks"]}
         cf = {"compile_s": statistics.median(r["compile_s"] for r in runs["fxdebug"]), "graphs": runs["fxdebug"][0]["graphs"],
-              "instrument_s": statistics.median(r["instrument_s"] for r in runs["fxdebug"]),
+              "breaks": runs["fxdebug"][0]["breaks"], "instrument_s": statistics.median(r["instrument_s"] for r in runs["fxdebug"]),
               "notes": runs["fxdebug"][0].get("notes", []),
               "spread": [round(r["compile_s"], 1) for r in runs["fxdebug"]],
               "plain_spread": [round(r["compile_s"], 1) for r in runs["plain"]]}
@@ -160,7 +163,8 @@ def main() -> None:
         st = _child(["steady", name, a.rounds, a.calls], cache=a.stats == "extern", stats=a.stats)
         print(f"| {name} | {st['plain_ms']:.2f} | {st['fxdebug_ms']:.2f} | {st['ratio']:.2f}x "
               f"({st['ratio_min']:.2f}..{st['ratio_max']:.2f}) | {cp['compile_s']:.1f} | {cf['compile_s']:.1f} | "
-              f"{cf['compile_s'] / cp['compile_s']:.2f}x | {cf['instrument_s']:.1f} | {cp['graphs']} / {cf['graphs']} |",
+              f"{cf['compile_s'] / cp['compile_s']:.2f}x | {cf['instrument_s']:.1f} | {cp['graphs']} / {cf['graphs']} | "
+              f"{cp['breaks']} / {cf['breaks']} |",
               flush=True)
         print(f"  {name}: cold compile s, each run: plain {cf['plain_spread']}, fxdebug {cf['spread']}")
         for note in cf.get("notes", []):
