@@ -175,6 +175,18 @@ def test_special_options(key):
         _refused(name, option, value)
 
 
+@pytest.mark.parametrize("name", [n for n in P.__all__ if "where" in inspect.signature(getattr(P, n).__init__).parameters])
+def test_where_is_a_selection(name):
+    for value in (3, ["fc", 3], b"fc", 0.5):
+        err = _refused(name, "where", value)
+        assert "glob" in str(err) and "predicate" in str(err)
+    for value in (None, "fc", ["fc", "relu"], ("fc",), fxdebug.outputs_of("fc"), lambda n: True):
+        if value is None and name in ("Breakpoint", "Freeze", "GradientScale"):
+            continue  # these need a selection (their own UsageError)
+        _build(name, where=value)
+    assert _build(name, where=iter(["fc"])).where == ("fc",)
+
+
 def test_a_users_pass_gets_the_same_rule():
     class Mine(fxdebug.Pass):
         def __init__(self, verbose=False, *, where=None):
@@ -184,6 +196,13 @@ def test_a_users_pass_gets_the_same_rule():
     assert Mine(verbose=1).verbose is True
     with pytest.raises(fxdebug.ArgumentTypeError, match=r"Mine\(verbose='off'\): verbose is a flag"):
         Mine(verbose="off")
+
+    @fxdebug.graph_pass(name="mine")
+    def mine(gm, ctx):
+        return None
+
+    with pytest.raises(fxdebug.ArgumentTypeError, match=r"mine\(where=3\)"):
+        mine(where=3)
 
 
 def test_the_rule_as_docs_observe_md_states_it_runs():

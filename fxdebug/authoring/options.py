@@ -84,8 +84,9 @@ class Options:
         if isinstance(owner, str):
             self.owner, self.pass_name = owner, owner
         else:
-            self.owner = type(owner).__name__
-            self.pass_name = getattr(owner, "name", None) or self.owner
+            self.pass_name = getattr(owner, "name", None) or type(owner).__name__
+            # a decorated function's pass is named by its name, not by fxdebug's private wrapper class
+            self.owner = type(owner).__name__ if not type(owner).__name__.startswith("_") else self.pass_name
 
     # -- errors ---------------------------------------------------------------------------------
     def error(self, option: str, value: Any, accepted: str, *, wrong_kind: bool = True, hint: str = "") -> UsageError:
@@ -153,6 +154,21 @@ class Options:
             raise self.error(option, value, accepted, hint=hint)
         items = tuple(value)
         bad = [i for i in items if not isinstance(i, of) or (isinstance(i, bool) and bool not in _tuple(of))]
+        if bad:
+            raise self.error(option, value, accepted, hint=f"{bad[0]!r} is {_kind(bad[0])}.")
+        return items
+
+    def where(self, value: Any, option: str = "where") -> Any:
+        """A selection: ``None`` (everything), a glob over node names and module paths, an iterable of
+        globs, or a predicate ``f(node) -> bool`` (``fxdebug.outputs_of(...)`` is one)."""
+        if value is None or isinstance(value, str) or callable(value):
+            return value
+        accepted = ("None, a glob over node names / module paths ('layer1.*'), a list of globs, or a predicate "
+                    "f(node) -> bool such as fxdebug.outputs_of('layer2')")
+        if isinstance(value, bytes) or not isinstance(value, Iterable):
+            raise self.error(option, value, accepted)
+        items = value if isinstance(value, (list, tuple)) else tuple(value)
+        bad = [i for i in items if not isinstance(i, str)]
         if bad:
             raise self.error(option, value, accepted, hint=f"{bad[0]!r} is {_kind(bad[0])}.")
         return items

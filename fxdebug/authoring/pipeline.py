@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 from torch.fx import GraphModule, Node
 
 from fxdebug.authoring.context import PassContext
+from fxdebug.authoring.options import Options
 from fxdebug.errors import FxDebugError, PassError
 from fxdebug.graph.meta import describe, is_instrumentation, node_meta
 from fxdebug.graph.select import Where
@@ -77,7 +78,7 @@ class Pass:
     requires: tuple[str, ...] = ()
 
     def __init__(self, *, where: Where = None) -> None:
-        self.where = where
+        self.where = Options(self).where(where)  # one rule for every pass's options (authoring.options)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -109,9 +110,9 @@ class Pass:
 class _FunctionPass(Pass):
     def __init__(self, fn: Callable[..., Any], name: str, observe_only: bool, requires: tuple[str, ...],
                  per_node: bool, where: Where = None) -> None:
+        self.name = name  # before the options are read: their messages name the pass
         super().__init__(where=where)
         self._fn = fn
-        self.name = name
         self.observe_only = observe_only
         self.requires = requires
         self._per_node = per_node
