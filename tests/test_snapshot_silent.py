@@ -4,6 +4,8 @@ or refused with a ``TraceError`` naming the construct and what to do."""
 
 from __future__ import annotations
 
+import copy
+import io
 import random
 import warnings
 
@@ -128,6 +130,11 @@ def test_a_reassigned_tensor_attribute_is_read_at_every_call(frontend: str) -> N
     model.mask = torch.tensor([0.0, 1.0, 2.0, 3.0])
     assert torch.equal(dbg(x), model(x))
     assert "mask" not in dbg.state_dict()
+    buf = io.BytesIO()
+    torch.save(dbg, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)  # a loaded module keeps the tensor it was saved with
+    assert torch.equal(loaded(x), model(x)) and torch.equal(copy.deepcopy(dbg)(x), model(x))
 
 
 class Encoder(nn.Module):

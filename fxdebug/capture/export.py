@@ -267,8 +267,10 @@ def _safe(name: str) -> str:
     return re.sub(r"\W", "_", name)
 
 
-def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: nn.Module) -> list[str]:
-    """Point get_attr nodes at the model's own tensors; move everything else under ``space``."""
+def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: nn.Module,
+                  links: list[tuple[nn.Module, str, nn.Module, str]]) -> list[str]:
+    """Point get_attr nodes at the model's own tensors; move everything else under ``space``. A tensor held
+    as a plain attribute is linked (``links``) to its module, for the live guard to follow per call."""
     params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     params.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
     consts = nn.Module()
@@ -289,13 +291,14 @@ def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: 
         if isinstance(value, nn.Module):
             subgraphs.add_module(safe, value)
             node.target = f"fxdebug.subgraphs.{safe}"
-        elif _plain_tensor(model, target):
-            continue  # the model's own tensor attribute (self.mask): read at every call, a reassignment followed
         else:
             mine = _model_attr(model, target)
             tensor = mine if isinstance(mine, Tensor) else value
             consts.register_buffer(safe, tensor, persistent=False)
             node.target = f"fxdebug.constants.{safe}"
+            if _plain_tensor(model, target):  # the model's own tensor attribute (self.mask): followed per call
+                owner, _, name = target.rpartition(".")
+                links.append((model.get_submodule(owner), name, consts, safe))
         moved.append(target)
     if len(consts._buffers):
         space.add_module("constants", consts)
@@ -443,7 +446,8 @@ def capture_export(
     exported = program.module()
     graph = exported.graph
     space = nn.Module()
-    moved = _rehome_state(model, exported, graph, space)
+    links: list[tuple[nn.Module, str, nn.Module, str]] = []
+    moved = _rehome_state(model, exported, graph, space, links)
     watch.check_buffer_updates(graph)  # every buffer the forward reassigned is updated by the graph
     clean_graph_meta(graph)  # module stacks name the user's classes, not fxdebug's read-recording ones
     _replace_guards(graph, space, _range_constraints(program))
@@ -459,6 +463,7 @@ def capture_export(
     paths = {id(m): p for p, m in model.named_modules()}
     paths[id(shell)] = ""
     info.live.fast_paths = [(paths[id(m)], model if m is shell else m) for m in watch.fast_paths if id(m) in paths]
+    info.live.tensor_attrs = links
     info.seconds = time.perf_counter() - start
     return graph, info, space
 

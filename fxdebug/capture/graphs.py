@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TypeVar
 
-from torch import nn
+from torch import Tensor, nn
 from torch.fx import Graph, GraphModule
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph_module import _copy_attr
@@ -53,8 +53,6 @@ def graph_module(cls: type[GM], root: nn.Module, graph: Graph, class_name: str, 
                     and getattr(root, target, None) is child:
                 modules[target] = child
                 continue
-        if op == "get_attr" and _absent(root, target):
-            continue  # a plain tensor attribute of the model (self.mask): the instrumented module reads it live
         _copy_attr(root, gm, target)
     gm.graph = graph
     # what GraphModule.__init__ reads from the graph once it is set
@@ -62,13 +60,6 @@ def graph_module(cls: type[GM], root: nn.Module, graph: Graph, class_name: str, 
     gm._tracer_cls = tracer_cls if tracer_cls and "<locals>" not in tracer_cls.__qualname__ else None
     gm._tracer_extras = graph._tracer_extras if graph._tracer_extras else {}
     return gm
-
-
-def _absent(root: nn.Module, target: str) -> bool:
-    """True if ``target``'s first name is nothing ``root`` holds (a shell without the model's plain attributes)."""
-    atom = target.split(".", 1)[0]
-    return atom not in root.__dict__ and atom not in root._modules and atom not in root._parameters \
-        and atom not in root._buffers and not hasattr(type(root), atom)
 
 
 def single_part(model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> Capture:
@@ -89,6 +80,28 @@ def single_part(model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.M
     return Capture([Part("", gm)], info)
 
 
+def _tensor_attributes(model: nn.Module, graph: Graph) -> dict[str, tuple[nn.Module, str, Tensor]]:
+    """``{constant name: (owner module, attribute, tensor)}`` for each ``get_attr`` of a tensor held as a
+    plain attribute (not a buffer) of a module of ``model``; the node is pointed at that constant. The
+    live guard (``LiveGuard.tensor_attrs``) points the constant at the module's current tensor before each
+    call, so ``self.mask = ...`` after ``instrument`` is followed; a copy or a loaded module keeps its own."""
+    found: dict[str, tuple[nn.Module, str, Tensor]] = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner_path, _, name = str(node.target).rpartition(".")
+        try:
+            owner = model.get_submodule(owner_path)
+        except AttributeError:
+            continue
+        value = owner.__dict__.get(name)
+        if isinstance(value, Tensor) and name not in owner._buffers and name not in owner._parameters:
+            safe = "attr_" + str(node.target).replace(".", "_")
+            found[safe] = (owner, name, value)
+            node.target = safe  # moved under fxdebug.constants below, with the created constants
+    return found
+
+
 class SymbolicFrontend:
     """``torch.fx`` symbolic tracing; untraceable submodules become leaves (``auto_leaf``)."""
 
@@ -96,6 +109,8 @@ class SymbolicFrontend:
 
     def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Capture:
         graph, info = capture_symbolic(model, inputs, leaf_modules=options.leaf_modules, auto_leaf=options.auto_leaf)
+        attrs = _tensor_attributes(model, graph)  # self.mask: a plain tensor attribute, followed per call
+        info.constants.update({safe: tensor for safe, (_, _, tensor) in attrs.items()})
         if not info.constants:
             return single_part(model, graph, info)
         # Tensors created in forward live under fxdebug.constants (non-persistent), not on the model.
@@ -107,6 +122,8 @@ class SymbolicFrontend:
             if node.op == "get_attr" and str(node.target) in info.constants:
                 node.target = f"{NAMESPACE}.constants.{node.target}"
         info.constants = {}
+        if attrs and info.live is not None:
+            info.live.tensor_attrs = [(owner, name, consts, safe) for safe, (owner, name, _) in attrs.items()]
         return single_part(model, graph, info, space)
 
 

@@ -76,6 +76,9 @@ class LiveGuard:
         self.signature = signature
         # (path, module) whose fused fast path the trace passed over (faithful_reads.fast_path_modules)
         self.fast_paths: list[tuple[str, nn.Module]] = []
+        # (module, attribute, constants module, buffer): a plain tensor attribute the graph reads (self.mask),
+        # its constant pointed at the module's current tensor before each call
+        self.tensor_attrs: list[tuple[nn.Module, str, nn.Module, str]] = []
 
     # -- copying: a copy of the instrumented module is not the model's any more --------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> "LiveGuard":
@@ -85,7 +88,8 @@ class LiveGuard:
 
     def __getstate__(self) -> dict[str, Any]:
         return {"model": None, "frontend": self.frontend, "signature": None, "_edges": [], "_inlined": [],
-                "_handles": 0, "_globals": 0, "_training": self._training, "fast_paths": []}
+                "_handles": 0, "_globals": 0, "_training": self._training, "fast_paths": [],
+                "tensor_attrs": []}
 
     # -- the check --------------------------------------------------------------------------------
     def check(self, gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -96,6 +100,10 @@ class LiveGuard:
             self._check_signature(model, args, kwargs)
         if self.fast_paths:
             self._check_fast_paths(model)
+        for owner, name, consts, key in self.tensor_attrs:
+            now = owner.__dict__.get(name)
+            if now is not consts._buffers.get(key) and now is not None:
+                consts._buffers[key] = now
         for live, seen, path in self._edges:
             if live != seen:
                 self._changed_children(model, live, seen, path)
