@@ -303,3 +303,15 @@ def test_a_draw_in_the_root_forward_is_refused_by_symbolic_and_export() -> None:
         _instrument(_Draws(), x, "symbolic")
     with pytest.raises(fxdebug.TraceError, match=r"draws np\.random\.uniform\(\).*frontend='auto'"):
         _instrument(WithDraws(), x, "export")
+
+
+@pytest.mark.parametrize("frontend", SNAPSHOTS)
+def test_a_copy_that_lost_its_model_refuses_other_grad_modes(frontend: str) -> None:
+    model, x = GradBranch().eval(), torch.randn(3, 4)
+    dbg = _instrument(model, x, frontend)
+    with torch.no_grad():
+        dbg(x)  # the graph of the no-grad branch is the current one
+        twin = copy.deepcopy(dbg)
+        assert torch.equal(twin(x), model(x))
+    with pytest.raises(fxdebug.TraceError, match=r"torch\.is_grad_enabled\(\) was False"):
+        twin(x)

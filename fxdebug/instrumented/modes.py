@@ -197,11 +197,22 @@ def _mark(rec: Recipe, capture: Capture) -> None:
     """Export graphs bake the modes in: their record keeps the flags, checked even without a recipe."""
     if rec.frontend == "export" and hasattr(capture.meta, "__setitem__"):
         capture.meta["modes"] = capture.flags
+    reads = {name: value for m, name, value in capture.guards if m is None}
+    if reads and hasattr(capture.meta, "__setitem__"):  # torch's modes the graph read: checked after a copy too
+        capture.meta["torch_modes"] = reads
 
 
 def _refuse_other_modes(gm: Any) -> None:
     """A module loaded from a file (or made without ``instrument``) cannot be captured again: refuse."""
     record: Any = gm.meta.get("fxdebug")  # gm: an Instrumented module (a GraphModule: it has meta)
+    read = record.get("torch_modes") if record is not None and hasattr(record, "get") else None
+    for name, value in (read or {}).items():
+        if mode_now(name) != value:
+            raise TraceError(
+                f"this {type(gm).__name__}'s graph was captured where torch.{name.split(':')[0]}() was {value} (its "
+                "forward branches on it), is called where it is not, and does not know its model any more (it was "
+                "loaded from a file or copied without it), so it cannot be captured again. Call it in the modes it "
+                "was captured in, or instrument the model again.", module="", op=f"torch.{name.split(':')[0]}")
     fixed = record.get("modes") if record is not None and hasattr(record, "get") else None
     if fixed is None:
         return
