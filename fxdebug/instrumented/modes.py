@@ -42,7 +42,7 @@ _LOCK = threading.RLock()
 ModeKey = tuple[bool, ...]
 
 
-Guards = list[tuple[nn.Module, str, Any]]  # (module, attribute, value the capture saw)
+Guards = list[tuple[Any, str, Any]]  # (module or config object, attribute, value the capture saw; None: torch's mode)
 # (model, frontend, passes, example inputs, trace options) -> the module captured again with those passes:
 # fxdebug.instrumented.pipeline.recapture, given by whoever records a recipe (this module never imports it)
 Recapture = Callable[[nn.Module, str, Sequence[Any], Any, dict[str, Any]], Any]

@@ -229,14 +229,14 @@ def _loss(out: Any) -> Tensor | None:
 
 
 def _run(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
-         input_grads: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+         grad_inputs: bool = True) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """One forward and backward; the output and the gradient of every floating-point input."""
     leaves: list[Tensor] = []
 
     def fed(v: Any) -> Any:
         if not isinstance(v, Tensor):
             return v
-        if not input_grads or not v.is_floating_point() or not torch.is_grad_enabled():
+        if not grad_inputs or not v.is_floating_point() or not torch.is_grad_enabled():
             return v.clone()
         leaf = v.detach().clone().requires_grad_(True)
         leaves.append(leaf)
@@ -302,7 +302,7 @@ def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", 
             for module in (model, dbg):
                 _reset(model, start, params, seed, streams)
                 try:
-                    out, input_grads, _ = _run(module, args, kwargs, input_grads=with_input_grads)
+                    out, input_grads, _ = _run(module, args, kwargs, grad_inputs=with_input_grads)
                 except Exception:
                     if module is not model or not with_input_grads:
                         raise
@@ -310,7 +310,7 @@ def verify(dbg: Any, example_inputs: Any, *, modes: tuple[str, ...] = ("train", 
                     # encoder sets ``requires_grad`` on its input in training): compare without them.
                     with_input_grads = False
                     _reset(model, start, params, seed, streams)
-                    out, input_grads, _ = _run(module, args, kwargs, input_grads=False)
+                    out, input_grads, _ = _run(module, args, kwargs, grad_inputs=False)
                 grads = {k: None if p.grad is None else p.grad.detach().clone() for k, p in model.named_parameters()}
                 grads.update(input_grads)
                 bufs = {k: b.detach().clone() for k, b in model.named_buffers()}
