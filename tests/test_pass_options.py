@@ -123,7 +123,7 @@ def test_flags_are_bools_or_0_and_1(name, option):
         assert stored is want, (name, option, value, stored)
 
 
-@settings(max_examples=25, deadline=None, phases=(Phase.explicit, Phase.generate, Phase.shrink))
+@settings(max_examples=25, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate, Phase.shrink))
 @given(case=st.sampled_from(FLAGS),
        value=st.one_of(st.text(max_size=4), st.integers().filter(lambda i: i not in (0, 1)),
                        st.floats().filter(lambda f: f not in (0.0, 1.0)), st.none(), st.lists(st.booleans(), max_size=2)))
