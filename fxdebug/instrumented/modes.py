@@ -130,7 +130,8 @@ class _Checker:
             entry = by_owner.setdefault(id(m), (m, [], []))
             entry[1].append(name)
             entry[2].append(value)
-        self.objects = [(m.__dict__, operator.itemgetter(*names), tuple(values) if len(values) > 1 else values[0])
+        # a tuple compares its items by identity first (a NaN value seen holds); one name: a 1-tuple too
+        self.objects = [(m.__dict__, operator.itemgetter(*names) if len(names) > 1 else _one(names[0]), tuple(values))
                         for m, names, values in by_owner.values()]
 
     def __call__(self) -> bool:
@@ -141,6 +142,16 @@ class _Checker:
         except KeyError:
             return False
         return all(mode_now(name) == value for name, value in self.modes)
+
+
+class _one:  # noqa: N801 - an itemgetter of one name that returns a 1-tuple (picklable, unlike a closure)
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, state: dict[str, Any]) -> tuple[Any]:
+        return (state[self.name],)
 
 
 def _guards_of(record: Any, model: nn.Module) -> Guards:
