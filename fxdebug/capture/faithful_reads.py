@@ -29,6 +29,7 @@ import contextlib
 import os
 import sys
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import torch
@@ -243,11 +244,17 @@ def config_guards(named: list[tuple[str, nn.Module]]) -> list[tuple[str, str, An
             elif depth < 1 and _config_like(v):
                 walk(path, f"{prefix}.{k}", v, depth + 1)
 
+    common = _COMMON
     for path, m in named:
         for k, v in m.__dict__.items():
+            if type(v) in common:  # a module's own dicts, flags and sizes: most entries, skipped at once
+                continue
             if k not in _MODULE_INTERNALS and not k.startswith("_fxdebug") and _config_like(v):
                 walk(path, k, v, 0)
     return out
+
+
+_COMMON = frozenset({dict, OrderedDict, set, list, tuple, bool, int, float, str, type(None)})
 
 
 def guard_value(owner: Any, dotted: str) -> tuple[Any, str]:
