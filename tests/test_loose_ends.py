@@ -160,3 +160,26 @@ def test_collect_with_dict_batches_finds_a_row_by_its_module_path(frontend: str)
     report = fxdebug.collect(dbg, [{"x": b["x"]} for b in batches], progress=False)
     row = report.row("fc")
     assert row["module"] == "fc" and row["calls"] == 2 and tuple(row["shape"]) == (5, 3)
+
+
+class LogsLikeTorch(nn.Module):
+    """A forward during whose capture torch's fake-tensor logger reports an error and the capture goes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        import logging
+
+        logging.getLogger("torch._subclasses.fake_tensor").error("failed while attempting to run meta for %s", "aten.x")
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("frontend", ["auto", "export"])
+def test_a_capture_that_goes_on_says_torchs_errors_in_one_note(frontend: str, capfd: Any) -> None:
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(LogsLikeTorch(), [NaNCheck()], example_inputs=(x,), frontend=frontend)
+    assert "failed while attempting" not in capfd.readouterr().err
+    notes = [n for n in dbg.report().notes if n.startswith("torch: while capturing")]
+    assert len(notes) == 1 and "aten.x" in notes[0], dbg.report().notes
