@@ -50,3 +50,14 @@ def test_live_call_with_one_tensor_twice_reuses_the_example_capture() -> None:
     y = dbg(x, x)
     assert list(dbg.parts()) == captured  # no second capture for the duplicate input
     torch.testing.assert_close(y, model(x, x), rtol=0, atol=0)
+
+
+def test_a_lone_input_is_copied_on_write_only() -> None:
+    # issue 35 B16: a big example batch is not held twice while instrument() captures
+    x = torch.randn(64, 32)
+    (copy,) = clone_inputs((x,))
+    if not hasattr(torch._C, "_is_cow_tensor"):
+        return
+    assert torch._C._is_cow_tensor(copy)  # no memory of its own yet
+    copy.mul_(0)  # a forward writing its input in place writes the copy, never the user's tensor
+    assert not torch._C._is_cow_tensor(copy) and torch.count_nonzero(x) == x.numel()
