@@ -183,3 +183,21 @@ def test_a_capture_that_goes_on_says_torchs_errors_in_one_note(frontend: str, ca
     assert "failed while attempting" not in capfd.readouterr().err
     notes = [n for n in dbg.report().notes if n.startswith("torch: while capturing")]
     assert len(notes) == 1 and "aten.x" in notes[0], dbg.report().notes
+
+
+@pytest.mark.parametrize("frontend", ["auto", "symbolic"])
+def test_torch_save_of_a_shadowed_model_calling_f_max_pool2d(frontend: str) -> None:
+    """Shadow's op modules held F.max_pool2d (``boolean_dispatch.<locals>.fn``) itself: "Can't pickle local object"."""
+    from fxdebug.passes import Shadow
+
+    x = torch.randn(2, 1, 8, 8)
+    dbg = fxdebug.instrument(PoolNet(), [Shadow()], example_inputs=(x,), frontend=frontend)
+    dbg(x)
+    buf = io.BytesIO()
+    torch.save(dbg, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(loaded(x), dbg(x))
+    import copy
+
+    assert torch.equal(copy.deepcopy(dbg)(x), dbg(x))

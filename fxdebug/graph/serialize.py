@@ -16,7 +16,7 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.node import map_aggregate, map_arg
 from torch.utils import _pytree as pytree
 
-__all__ = ["deserialize_graph", "encode_pytree_info", "serialize_graph"]
+__all__ = ["deserialize_graph", "encode_pytree_info", "picklable_target", "resolved_target", "serialize_graph"]
 
 class _Ref:
     __slots__ = ("name",)
@@ -72,6 +72,17 @@ def _func_ref(target: Any) -> Any:
     import sys
 
     return _FuncRef(module, name) if getattr(sys.modules.get(module), name, None) is target else target
+
+
+def picklable_target(target: Any) -> Any:
+    """``target`` (a node's function or op, held by a module) in a form pickle can write: ``F.max_pool2d``
+    (``boolean_dispatch.<locals>.fn``) by module attribute; ``resolved_target`` turns it back."""
+    return _op_ref(target)
+
+
+def resolved_target(target: Any) -> Any:
+    """The function or op ``picklable_target`` wrote (anything else as it is)."""
+    return target.resolve() if isinstance(target, (_OpRef, _FuncRef)) else target
 
 
 def _op_ref(target: Any) -> Any:

@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 from fxdebug.runtime.columns import HIDDEN, Column
 from fxdebug.authoring.context import PassContext
 from fxdebug.graph.meta import fx_meta, is_instrumentation
+from fxdebug.graph.serialize import picklable_target, resolved_target
 from fxdebug.runtime.observer import ObservationContext, Probe, Reductions
 from fxdebug.numerics.tensors import device_of, float_leaves, no_autocast, rel_error, tree_cast
 
@@ -114,6 +115,15 @@ class ShadowOp(nn.Module):
         self.unit = 2.0 ** -24  # unit roundoff of the real output's dtype, learnt on the first call
         self._state: dict[torch.device, Tensor] = {}
         self._params: dict[str, tuple[int, int, Tensor]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())  # the op by name: F.max_pool2d is a local function pickle cannot write
+        state["target"] = picklable_target(state.get("target"))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state, target=resolved_target(state.get("target")))
+        super().__setstate__(state)
 
     # -- runtime --------------------------------------------------------------------------------
     def forward(self, real_out: Any, module: Any, sargs: Any, skwargs: Any, rargs: Any, rkwargs: Any) -> Any:
