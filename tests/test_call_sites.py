@@ -270,3 +270,33 @@ def test_a_helper_in_a_long_loop_shares_rows_past_the_cap_and_says_so():
     assert len(muls) == MAX_OCCURRENCES + 1
     assert max(r["calls"] for r in muls) == 3  # the 33rd..35th calls share the last row
     assert any(f"more than {MAX_OCCURRENCES} times" in n for n in report.notes)
+
+
+def test_a_resume_function_s_inputs_and_builtin_named_ops_are_their_own_rows():
+    """After a graph break the resume function's ``x`` is the local's value there (a's output), not the model's input
+    ``x``; and two frames' ``.sum()`` ops (FX renames a builtin's name) are two rows."""
+    torch.manual_seed(0)
+
+    class Rebinds(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            s = x.sum()
+            x = self.a(x) + 10.0
+            torch._dynamo.graph_break()
+            return x * 2 + x.sum() + s
+
+    model = Rebinds()
+    ref = copy.deepcopy(model)
+    dbg = fxdebug.instrument(model, [ShapeAssert(), StatCollector()], frontend="dynamo")
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        _bitwise(dbg, model, ref, x)
+    rows = {r["node"]: r for r in dbg.report().rows}
+    assert rows["x"]["calls"] == 3  # the input, once per call (it was 6: the resume function's x merged in)
+    inputs = [r for n, r in rows.items() if n.startswith("x_") and r["op"] == "placeholder"]
+    assert len(inputs) == 1 and inputs[0]["calls"] == 3  # a's output + 10, its own row
+    sums = [r for r in rows.values() if r["op"].endswith("sum")]
+    assert len(sums) == 2 and all(r["calls"] == 3 for r in sums)

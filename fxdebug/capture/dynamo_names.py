@@ -9,7 +9,9 @@ attributed to their module (read live through ``get_attr``). Split out of ``capt
 
 from __future__ import annotations
 
+import builtins
 import inspect
+import keyword
 import os
 import re
 from dataclasses import dataclass, field
@@ -153,6 +155,10 @@ def _op_name(node: Node) -> str:
     return str(name).lstrip("_") or "op"
 
 
+_RESERVED = frozenset(keyword.kwlist) | frozenset(dir(builtins)) | {"inf", "nan", "NoneType", "torch", "device",
+                                                                   "fx_pytree", "pytree"}
+
+
 @dataclass
 class NodeNamer:
     """Stable node identities over every capture of one live module.
@@ -173,7 +179,7 @@ class NodeNamer:
         if found is not None:
             return found
         n, candidate = occurrence, base if occurrence == 0 else f"{base}_{occurrence}"
-        while candidate in self.used:
+        while candidate in self.used or candidate in _RESERVED:  # FX renames a builtin's name (``sum`` -> ``sum_1``)
             n += 1
             candidate = f"{base}_{n}"
         self.used.add(candidate)
@@ -306,8 +312,10 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
                 keep.append(index)
                 name = _input_name(source, model, shift) or node.name
                 full = _safe(f"{prefix}_{name}" if prefix else name)
-                if name.startswith("_"):  # Dynamo's own (``___stack0``: a value the eager code before the frame made)
-                    full = namer.name(key, full, 0)  # one per frame, as every recompile of it names it
+                # one name per frame, as every recompile of it names it: a resume function's ``x`` is the local's value
+                # at the break (``x_1``), not the model's input ``x``; Dynamo's own ``___stack0`` is a value the eager
+                # code before the frame made
+                full = namer.name(key, full, 0)
                 out = new.placeholder(full)
                 out.meta.update(meta)
                 fx_meta(out)["module"] = scope
