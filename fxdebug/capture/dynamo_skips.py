@@ -97,8 +97,9 @@ def _parse(entry: str) -> Skip | None:
         return None
     file, reason = m.group("file"), m.group("reason")
     name = os.path.abspath(file)
-    if any(q in reason for q in _QUIET) or name.startswith(_FXDEBUG) or name.startswith(_TORCH) or file.startswith("<"):
-        return None
+    private = name.startswith(_TORCH) and name[len(_TORCH):].startswith("_")  # torch/_dynamo, torch/_compile.py
+    if any(q in reason for q in _QUIET) or name.startswith(_FXDEBUG) or private or file.startswith("<"):
+        return None  # (a torch.nn module's forward Dynamo skipped is the user's model: noted)
     line = int(m.group("line"))
     return Skip(m.group("name"), file, line, summarize_reason(m.group("name"), file, line, reason))
 
