@@ -133,10 +133,14 @@ def test_where_matching_nothing_is_refused_naming_the_modules():
     assert [r["module"] for r in dbg.report().rows] == ["conv"]
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, None])
+@pytest.mark.parametrize("bad", ["yes", "no", None, 0.5, 2])
 def test_stat_collector_flags_must_be_bools(bad):
-    with pytest.raises(fxdebug.UsageError, match=r"grads must be True or False"):
+    with pytest.raises(fxdebug.UsageError, match=r"StatCollector\(grads=.*grads is a flag: True or False"):
         StatCollector(grads=bad)
+
+
+def test_stat_collector_flags_take_one_and_zero_as_bools():  # issue 35 B11: one rule, grads=1 is True
+    assert StatCollector(grads=1).grads is True and StatCollector(grads=0).grads is False
 
 
 def test_mistyped_example_input_says_did_you_mean():

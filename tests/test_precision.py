@@ -75,7 +75,8 @@ def test_keeping_every_node_matches_fp32(name):
     model.eval()
     low = copy.deepcopy(model).to(torch.bfloat16)
     low_in = tuple(t.bfloat16() if t.is_floating_point() else t for t in inputs)
-    probe = fxdebug.instrument(low, [], example_inputs=low_in)
+    # Precision transforms the graph, so "auto" captures a snapshot (symbolic): its node names are the plan's
+    probe = fxdebug.instrument(low, [], example_inputs=low_in, frontend="symbolic")
     names = [n.name for n in probe.graph.nodes if n.op in ("call_module", "call_function", "call_method")
              and (n.meta.get("fxdebug", {}).get("dtype") in ("bfloat16", "float32"))]
     every = fxdebug.instrument(low, [Precision(names)], example_inputs=low_in)

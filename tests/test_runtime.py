@@ -291,7 +291,9 @@ def test_a_users_fused_probe_shares_the_one_read():
 
     model, (x,) = ZOO["residual_cnn"]()
     dbg = fxdebug.instrument(model, [mean_abs, StatCollector()], example_inputs=(x,))
-    assert not [n for n in dbg.graph.nodes if n.op == "call_module" and isinstance(dbg.get_submodule(str(n.target)), fxdebug.Observer)]
+    parts = dbg.parts().values()
+    assert not [n for p in parts for n in p.graph.nodes
+                if n.op == "call_module" and isinstance(p.get_submodule(str(n.target)), fxdebug.Observer)]
     dbg(x)
     row = dbg.report().row("fc")
     with torch.no_grad():

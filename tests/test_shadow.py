@@ -24,7 +24,8 @@ def test_zoo_outputs_unchanged_and_fp32_errors_tiny(name):
     model, inputs = ZOO[name]()
     model.eval()
     dbg = fxdebug.instrument(model, [Shadow(), StatCollector()], example_inputs=inputs)
-    dbg.graph.lint()
+    for part in dbg.parts().values():  # a live capture: one graph per graph break (control_flow has four)
+        part.graph.lint()
     assert _equal(dbg(*inputs), model(*inputs))
     rows = dbg.report().rows
     shadowed = [r for r in rows if "acc_err" in r]

@@ -112,23 +112,8 @@ def clone_inputs(values: Any) -> Any:
                 storage = copies[key] = t.untyped_storage().clone()
             clones[id(t)] = t.new_empty(0).set_(storage, t.storage_offset(), t.size(), t.stride())
         else:
-            clones[id(t)] = _copy(t)
+            clones[id(t)] = t.clone()
     return tree_unflatten([clones[id(v)] if isinstance(v, Tensor) else v for v in flat], spec)
-
-
-def _copy(t: Tensor) -> Tensor:
-    """A copy of ``t`` that costs no memory until something writes either one: torch's copy-on-write
-    clone (``torch._lazy_clone``) for a dense CPU/CUDA tensor, so a big example batch is not held twice
-    during the capture (issue 35 B16); ``clone()`` elsewhere (or where torch has no lazy clone)."""
-    lazy = getattr(torch, "_lazy_clone", None)
-    # (only a tensor that covers most of its memory: a write would copy all of that memory, a row of a data set too)
-    if (lazy is not None and type(t) is Tensor and t.layout == torch.strided and t.device.type in ("cpu", "cuda")
-            and t.untyped_storage().nbytes() <= 2 * t.numel() * t.element_size()):
-        try:
-            return lazy(t)
-        except (RuntimeError, NotImplementedError):
-            pass
-    return t.clone()
 
 
 def _storage_key(t: Tensor) -> Any:

@@ -278,11 +278,20 @@ def _op_fix(row: dict[str, Any], phase: str, via: bool = True) -> str:
     return "check this op's inputs (min/max in the report); in half precision check for overflow."
 
 
+def _graphs(gm: Any) -> list[Any]:
+    """Every graph of ``gm``: its parts' (a live module has one per graph Dynamo handed over), else its own."""
+    if gm is None:
+        return []
+    parts = getattr(gm, "parts", None)
+    if callable(parts):
+        return [p.graph for p in parts().values()]
+    graph = getattr(gm, "graph", None)
+    return [graph] if graph is not None else []
+
+
 def _input_mins(gm: Any, name: str, report: Any) -> str:
     """``"; its input 'x' has min -0.3"`` from the rows of ``name``'s inputs, when the graph is known."""
-    if gm is None or not hasattr(gm, "graph"):
-        return ""
-    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    node = next((n for g in _graphs(gm) for n in g.nodes if n.name == name), None)
     if node is None:
         return ""
     parts = []
