@@ -87,8 +87,10 @@ def test_outer_torch_compile_compiles_with_the_users_options(inductor_calls: dic
     model, x = _model(), torch.randn(4, 8)
     dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,))  # the eager (debugging) default
     compiled = torch.compile(dbg, options={"epilogue_fusion": False})
+    torch._dynamo.utils.counters.clear()
     with torch.no_grad():
         outs = [compiled(x) for _ in range(3)]
+    assert not torch._dynamo.utils.counters["graph_break"]  # the outer compile enters the live call, no break
     assert inductor_calls["runs"] >= 3, inductor_calls  # not run eagerly: Inductor's code ran at every call
     assert {"epilogue_fusion": False}.items() <= inductor_calls["options"][0].items()  # the user's options honoured
     with torch.no_grad():

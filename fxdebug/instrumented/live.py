@@ -42,7 +42,7 @@ from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
-from fxdebug.instrumented.live_call import backend_note, live_call, modes_on, outer_now
+from fxdebug.instrumented.live_call import backend_note, live_call, live_forward, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_skips import watched
@@ -101,7 +101,7 @@ class LiveInstrumented(Instrumented):
     def recompile(self) -> Any:
         code = GraphModule_recompile(self)
         type(self).__call__ = live_call  # type: ignore[method-assign]
-        type(self).forward = _LIVE_CALL
+        type(self).forward = live_forward
         return code
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -172,9 +172,6 @@ class LiveInstrumented(Instrumented):
                 return entry
         entry = _compiled_entry(self._model, outer)
         entries.append((backend, entry))
-        return entry
-        entry = _compiled_entry(self._model, outer)
-        state["_entries"].append((outer, entry))
         return entry
 
     def _raise_typed(self, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception) -> None:
@@ -467,14 +464,6 @@ class LiveInstrumented(Instrumented):
                  # what each pass did (names and counts; not the graph it did it to, which stays in this process)
                  "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
         return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes), state))
-
-
-# Under an outer torch.compile(dbg), Dynamo would trace into the live module's own Python (its contexts, the
-# session stack) and compile dozens of small frames; the call is the live module's own Dynamo capture: skipped
-# by the outer one, which runs it as it is (the inner capture instruments and observes every graph).
-_LIVE_CALL = torch._dynamo.disable(LiveInstrumented._live_call)
-
-
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],

@@ -20,9 +20,7 @@ from fxdebug.capture.dynamo import DynamoGraph
 from fxdebug.capture.dynamo_backends import compiler_label, outer_compiler
 from fxdebug.instrumented.live_parts import _Part
 
-__all__ = ["backend_note", "live_call", "modes_on", "outer_now"]
-
-_OWN_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+__all__ = ["backend_note", "live_call", "live_forward", "modes_on", "outer_now"]
 
 
 def live_call(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -34,11 +32,36 @@ def live_call(self: Any, *args: Any, **kwargs: Any) -> Any:
     eval-frame callback still set. The callback is switched off here (fxdebug's own Python is never compiled) and
     its backend, the user's (Inductor with their ``mode=`` / ``options=``), compiles the instrumented graphs."""
     prior = _set_eval_frame(None)
-    saved = getattr(_NOW, "outer", None)
+    if prior is None and _NOW.outer is None:  # an eager call (no outer compile now or around it): nothing to switch
+        if _own_hooks(self.__dict__):
+            return nn.Module._call_impl(self, *args, **kwargs)
+        return self._live_call(*args, **kwargs)
+    saved = _NOW.outer
     _NOW.outer = outer_compiler(prior) if prior else None
     try:
-        if any(self.__dict__.get(name) for name in _OWN_HOOKS):
+        if _own_hooks(self.__dict__):
             return nn.Module._call_impl(self, *args, **kwargs)
+        return self._live_call(*args, **kwargs)
+    finally:
+        _NOW.outer = saved
+        _set_eval_frame(prior)
+
+
+def _own_hooks(state: dict[str, Any]) -> bool:
+    return bool(state.get("_forward_pre_hooks") or state.get("_forward_hooks") or state.get("_backward_pre_hooks")
+                or state.get("_backward_hooks"))
+
+
+def live_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``dbg.forward(...)`` (and what ``nn.Module``'s call runs when ``dbg`` has hooks of its own): the live call.
+
+    A frame Dynamo skips, as ``live_call``, but not marked disabled: ``torch.compile(dbg)`` then enters through
+    ``dbg.__call__`` directly instead of a wrapper frame that would graph-break on a disabled forward."""
+    prior = _set_eval_frame(None)
+    if prior is None:  # inside live_call (its hooks path) or an eager call: the backend live_call found holds
+        return self._live_call(*args, **kwargs)
+    saved, _NOW.outer = _NOW.outer, (outer_compiler(prior) if prior else None)
+    try:
         return self._live_call(*args, **kwargs)
     finally:
         _NOW.outer = saved
@@ -47,13 +70,18 @@ def live_call(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 def outer_now() -> Any:
     """The outer ``torch.compile``'s backend for the live call running now in this thread (``None``: none)."""
-    return getattr(_NOW, "outer", None)
+    return _NOW.outer
 
 
-_NOW = threading.local()
+class _Now(threading.local):
+    outer: Any = None  # the outer compile's backend of the live call running in this thread
+
+
+_NOW = _Now()
 _set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame
 _skip: Any = getattr(torch._dynamo.decorators, "skip", None) or torch._dynamo.disable  # (not traced, not disabled)
 live_call = _skip(live_call)
+torch._dynamo.eval_frame.skip_code(live_forward.__code__)
 
 
 def backend_note(parts: dict[DynamoGraph, _Part]) -> str:
