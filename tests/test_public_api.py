@@ -215,6 +215,16 @@ def test_few_modules_at_the_top_of_the_package():
     assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules at the top of fxdebug/: {sorted(top)}"
 
 
+# A module a reader can hold in their head: split a longer one along a seam a reader would see (issue 32).
+MAX_MODULE_LINES = 500
+
+
+def test_no_module_of_the_package_or_the_pass_library_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in sorted([*(ROOT / "fxdebug").rglob("*.py"), *(ROOT / "passes").rglob("*.py")])
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
 # Keys that only a built-in pass writes (report columns, node.meta["fxdebug"] entries): the core
 # reads column declarations (roles, only=, merge=, finding=, answers=) and declared node metadata
 # (NodeMeta: transforms, stands_for) instead, so a user's pass gets the same treatment.
