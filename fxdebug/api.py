@@ -156,6 +156,11 @@ def instrument(
     a dict of keyword inputs) are run once to learn every node's shape, dtype and device; the
     model's buffers and the RNG state are restored afterwards. Extra keyword arguments go to
     ``trace`` (``leaf_modules``, ``auto_leaf``, ``frontend``).
+
+    ``backend="eager"`` (the debugging default) runs the instrumented graphs as captured;
+    ``backend="inductor"`` compiles each graph of the live (Dynamo) capture with TorchInductor after
+    the passes instrumented it. ``torch.compile(dbg, mode=..., options=...)`` compiles them with the
+    user's own backend. ``Report.notes`` says which backend ran.
     """
     _check_model(model, "instrument")
     check_options("instrument", trace_options, (*_INSTRUMENT_OWN, *inspect.signature(trace).parameters))

@@ -1,5 +1,6 @@
 """The graphs a live (Dynamo) capture hands over, as ``Instrumented`` parts that read the model's state
-live, and how each runs with Dynamo's calling convention."""
+live, and how each runs with Dynamo's calling convention; the model's entry compiled with fxdebug's
+backend (``_compiled_entry``: eager, or a composite with a compiler, ``capture.dynamo_backends``)."""
 from __future__ import annotations
 
 from collections import OrderedDict
