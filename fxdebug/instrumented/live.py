@@ -7,8 +7,9 @@ config change or a hook added later is what the next call runs. Each call goes t
 graph captured before still holds, and capture again when not. Every graph Dynamo hands over
 (one per graph break, one per recompile) becomes one part: a copy named by stable node identity
 (``capture.dynamo.prepare``), run through the same passes on the arguments of its first call,
-and run eagerly from then on. Code between graphs runs eagerly and is named in the report, with
-the reason Dynamo gave.
+and run eagerly from then on, or compiled by Inductor (``backend="inductor"``, or the user's backend
+under an outer ``torch.compile(dbg)``: ``live_call.py``). Code between graphs runs eagerly and is named
+in the report, with the reason Dynamo gave.
 
 ``report()`` merges every part: rows with the same identity (a recompile of the same code for
 ``labels=``, another shape, ``model.train()``) become one row whose ``calls`` add up.
