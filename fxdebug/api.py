@@ -90,8 +90,7 @@ def trace(
         if not isinstance(again, LiveInstrumented):  # a live module's graphs are Dynamo's: no snapshot recipe
             remember(again, model, (), example_inputs, {}, recapture)
         return again
-    if frontend not in _CHOICES:
-        raise UsageError(f"frontend={frontend!r} is not one of {', '.join(_CHOICES)}.")
+    frontend, _ = choose_frontend(model, (), {"frontend": frontend}, "trace")
     if frontend == "dynamo":
         return _instrument_live(model, [], example_inputs, None, False, time.perf_counter())
     inputs = normalize_inputs(example_inputs)
@@ -171,22 +170,46 @@ def instrument(
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
-    static_why = (_static_reason(model, pass_list, trace_options)
-                  if AUTO_IS_LIVE and trace_options.get("frontend", "auto") == "auto" else None)
-    if trace_options.get("frontend") == "dynamo" or static_why == "":
-        return _instrument_live(model, pass_list, example_inputs, prior, check, start, backend)
+    chosen, why = choose_frontend(model, pass_list, trace_options, "instrument")
+    if chosen == "dynamo":
+        return _instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why)
     if backend != "eager":
         raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
-                         f"captured by a snapshot frontend ({static_why or trace_options.get('frontend')}): "
+                         f"captured by a snapshot frontend ({why or chosen}): "
                          "torch.compile(dbg) compiles a snapshot module, or use frontend='dynamo'.")
     gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
-    if static_why:
-        gm.trace_info.notes.insert(0, static_why)
+    if why:
+        gm.trace_info.notes.insert(0, why)
     remember(gm, model, pass_list, example_inputs, trace_options, recapture)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:  # outputs, every gradient and buffers against the model, in train and eval mode
         verify(gm, example_inputs).raise_if_failed()
     return gm
+
+
+_LIVE_WHY = ("auto: the live Dynamo capture (observe-only passes, no snapshot option, at most "
+             f"{LIVE_MODULE_LIMIT} modules); a transform pass, leaf_modules / auto_leaf / dynamic_batch or a larger "
+             "model would take a snapshot frontend")
+
+
+def choose_frontend(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any], entry: str) -> tuple[str, str]:
+    """The one place a frontend is chosen, for ``trace`` (``entry="trace"``) and ``instrument``: ``(name, why)``.
+
+    ``name`` is ``"dynamo"`` (the live capture), a snapshot frontend's name, or ``"auto"``: the snapshot chain
+    (symbolic, then export, then subtrees; its own notes say why an earlier one failed). ``why`` is the note for
+    ``trace_info.notes`` ("" when the caller named the frontend). ``frontend="auto"`` is the live capture for
+    ``instrument()`` unless ``_static_reason`` gives a reason for a snapshot (or ``FXDEBUG_AUTO=snapshot``); for
+    ``trace()``, which runs no passes and returns a graph to look at, it is the snapshot chain.
+    """
+    asked = options.get("frontend", "auto")
+    if asked not in _CHOICES:
+        raise UsageError(f"frontend={asked!r} is not one of {', '.join(_CHOICES)}.")
+    if asked != "auto" or entry == "trace" or not AUTO_IS_LIVE:
+        return asked, ""
+    why = _static_reason(model, passes, options)
+    if why is None:  # an instrumented snapshot: its passes are added to that capture
+        return "auto", ""
+    return ("dynamo", _LIVE_WHY) if why == "" else ("auto", why)
 
 
 def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any]) -> str | None:
@@ -218,10 +241,10 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
 
 
 def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
-                     check: bool, start: float, backend: str = "eager") -> Instrumented:
+                     check: bool, start: float, backend: str = "eager", why: str = "") -> Instrumented:
     """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
     model, unwrapped = unwrap_parallel(model)
-    notes = [unwrapped] if unwrapped else []
+    notes = [n for n in (unwrapped, why) if n]
     if isinstance(model, LiveInstrumented):
         passes = [*model.__dict__["_passes"], *passes]
         model = model.model
