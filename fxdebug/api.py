@@ -166,14 +166,16 @@ def instrument(
     pass_list = validate_passes(passes)
     prior = trace_options.pop("prior_report", None)
     check = trace_options.pop("verify", False)
-    backend = check_backend(trace_options.pop("backend", "eager"))
+    backend = trace_options.pop("backend", None)  # None: eager, or what a live module given here was made with
+    if backend is not None:
+        check_backend(backend)
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
     chosen, why = choose_frontend(model, pass_list, trace_options, "instrument")
     if chosen == "dynamo":
         return _instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why)
-    if backend != "eager":
+    if backend not in (None, "eager"):
         raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
                          f"captured by a snapshot frontend ({why or chosen}): "
                          "torch.compile(dbg) compiles a snapshot module, or use frontend='dynamo'.")
@@ -241,12 +243,13 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
 
 
 def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
-                     check: bool, start: float, backend: str = "eager", why: str = "") -> Instrumented:
+                     check: bool, start: float, backend: str | None = None, why: str = "") -> Instrumented:
     """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
     model, unwrapped = unwrap_parallel(model)
     notes = [n for n in (unwrapped, why) if n]
     if isinstance(model, LiveInstrumented):
         passes = [*model.__dict__["_passes"], *passes]
+        backend = backend or model.__dict__["_backend"]  # more passes on a compiled live module: compiled too
         model = model.model
     elif isinstance(model, Instrumented):
         raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
@@ -262,7 +265,7 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
         raise TraceError(f"{type(model).__name__} has lazy module(s) not yet run ({', '.join(lazy[:5])}): capturing would "
                          "materialize their parameters, changing the model. Run the model once first, then instrument it.",
                          module=lazy[0], op="lazy module")
-    gm = LiveInstrumented._live(model, passes, prior, notes, backend)
+    gm = LiveInstrumented._live(model, passes, prior, notes, backend or "eager")
     gm.__dict__["_example_inputs"] = example_inputs  # what gradcheck() and friends default to, as for a snapshot
     inputs = normalize_inputs(example_inputs)
     if inputs is not None:

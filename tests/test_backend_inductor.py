@@ -133,3 +133,11 @@ def test_backend_is_checked() -> None:
     eager = fxdebug.instrument(model, [StatCollector()], example_inputs=(torch.randn(2, 8),))
     eager(torch.randn(2, 8))
     assert any(n.startswith("backend: eager") for n in eager.report().notes)
+
+
+def test_more_passes_on_a_compiled_live_module_stay_compiled() -> None:
+    model, x = _model(), torch.randn(4, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,), backend="inductor")
+    more = fxdebug.instrument(dbg, [NaNCheck()], example_inputs=(x,))
+    assert more.__dict__["_backend"] == "inductor"
+    assert fxdebug.instrument(dbg, [NaNCheck()], backend="eager").__dict__["_backend"] == "eager"
