@@ -3,7 +3,7 @@ instrumentation folds away, findings are highlighted, modules collapse at ``dept
 
 from __future__ import annotations
 
-import sys
+import importlib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from fxdebug.render.dot import COLORS, auto_depth, group_nodes
 from fxdebug.render.view import build_view
 from zoo import ZOO, MnistMismatch
 
-render_module = sys.modules["fxdebug.render.draw"]  # the attribute fxdebug.render is the function
+render_module = importlib.import_module("fxdebug.render.draw")  # the attribute fxdebug.render is the function
 SVG = "{http://www.w3.org/2000/svg}"
 XLINK = "{http://www.w3.org/1999/xlink}"
 
