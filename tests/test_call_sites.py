@@ -300,3 +300,18 @@ def test_a_resume_function_s_inputs_and_builtin_named_ops_are_their_own_rows():
     assert len(inputs) == 1 and inputs[0]["calls"] == 3  # a's output + 10, its own row
     sums = [r for r in rows.values() if r["op"].endswith("sum")]
     assert len(sums) == 2 and all(r["calls"] == 3 for r in sums)
+
+
+def test_a_frame_whose_code_holds_an_unhashable_constant_is_still_placed():
+    # code Dynamo generates may carry a dict among its constants (torchvision's Mask R-CNN, paste_masks_in_image):
+    # such a code object cannot be a dict key, and the site look-up raised "unhashable type: 'dict'" mid-call
+    from fxdebug.capture import dynamo_sites
+
+    def helper():
+        return 1
+
+    code = helper.__code__.replace(co_consts=(*helper.__code__.co_consts, {"a": 1}))
+    with pytest.raises(TypeError):
+        hash(code)
+    kind, (file, function), base, ours = dynamo_sites._cached_info(code)
+    assert function == "helper" and base == "test_call_sites.py" and not ours

@@ -80,9 +80,19 @@ class SitedGraph(DynamoGraph):
         return f"{self.frame}/{self.recompile}" + (f"@{self.site.label}" if self.site is not None else "")
 
 
-def _info(code: CodeType) -> tuple[int, tuple[str, str], str, bool]:
+def _cached_info(code: CodeType) -> tuple[int, tuple[str, str], str, bool]:
+    """``_info(code)``, from the cache where the code object can be a key: a code object hashes its constants, and
+    code Dynamo generated may hold a dict among them (torchvision's Mask R-CNN paste_masks_in_image), which is not
+    hashable; such a code is described afresh at each look-up."""
+    try:
+        return _INFOS.get(code) or _info(code)
+    except TypeError:
+        return _info(code, cache=False)
+
+
+def _info(code: CodeType, cache: bool = True) -> tuple[int, tuple[str, str], str, bool]:
     """``(kind, (file, function), file's base name, in fxdebug)`` of a code object, cached."""
-    info = _INFOS.get(code)
+    info = _INFOS.get(code) if cache else None
     if info is None:
         name = os.path.normcase(os.path.abspath(code.co_filename))
         ours = name.startswith(_FXDEBUG)
@@ -94,7 +104,7 @@ def _info(code: CodeType) -> tuple[int, tuple[str, str], str, bool]:
             kind = _USER
         m = _RESUME.match(code.co_name)
         info = (kind, (code.co_filename, m.group(1) if m else code.co_name), os.path.basename(code.co_filename), ours)
-        if len(_INFOS) < 20_000:  # transformed code objects of many recompiles: bounded
+        if cache and len(_INFOS) < 20_000:  # transformed code objects of many recompiles: bounded
             _INFOS[code] = info
     return info
 
@@ -106,7 +116,7 @@ def _walk(frame: FrameType | None) -> tuple[tuple[str, str] | None, tuple[str, s
     caller: tuple[str, str, int] | None = None
     depth = 0
     while frame is not None and depth < _MAX_DEPTH:
-        kind, here, base, ours = _INFOS.get(frame.f_code) or _info(frame.f_code)
+        kind, here, base, ours = _cached_info(frame.f_code)
         if kind == _MODULE_CALL:
             return own, caller, frame.f_locals.get("self")
         if kind == _USER:
