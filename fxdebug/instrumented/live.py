@@ -47,7 +47,7 @@ from fxdebug.instrumented.live_call import backend_note, live_call, live_forward
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_skips import watched
-from fxdebug.instrumented.live_report import _global_calls, _note_none_arguments, _origin_facts
+from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import channel_maxima
 from fxdebug.report.report import Report, merge_reports
@@ -158,6 +158,7 @@ class LiveInstrumented(Instrumented):
         self.__dict__["_ran"] = True
         if len(self.__dict__["_parts"]) > captured:  # this call captured: say which optional arguments were None
             _note_none_arguments(self._model, args, kwargs, self.trace_info.notes)
+            _note_fast_paths(self._model, self.trace_info.notes)
         return out
 
     def _entry_now(self) -> Any:

@@ -62,3 +62,26 @@ def _note_none_arguments(model: nn.Module, args: tuple[Any, ...], kwargs: dict[s
             f"that passes {'them' if len(none) > 1 else 'it'} is captured again, into the same rows)")
     if note not in notes:
         notes.append(note)
+
+
+_FAST_PATH_MODULES = (nn.TransformerEncoder, nn.TransformerEncoderLayer, nn.MultiheadAttention)
+
+
+def _note_fast_paths(model: nn.Module, notes: list[str]) -> None:
+    """A note for each fused-fast-path module of ``model`` that eager PyTorch would run fused in a call like this
+    one (eval, no gradient wanted, fast path on): Dynamo traces the standard path instead, as
+    ``torch.compile(model)`` does. The values agree at every real position; where a padding mask hides a
+    position, eager's fast path writes 0 and the captured graph writes what the standard path computes."""
+    from fxdebug.capture.faithful_reads import would_take_fast_path
+
+    outer = [(path, m) for path, m in model.named_modules() if isinstance(m, _FAST_PATH_MODULES)]
+    inside = {id(sub) for _, m in outer for sub in m.modules() if sub is not m}
+    for path, module in outer:
+        if id(module) in inside or not would_take_fast_path(module):
+            continue
+        note = (f"dynamo: {type(module).__name__} at '{path or type(model).__name__}' would take PyTorch's fused fast "
+                "path in eager (eval, no gradient); the captured graphs run its standard path, as torch.compile(model) "
+                "does: outputs agree at real positions, but positions a padding mask hides hold computed values where "
+                "eager writes 0 (mask them out before comparing or reducing)")
+        if note not in notes:
+            notes.append(note)
