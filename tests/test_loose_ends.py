@@ -30,15 +30,20 @@ class PoolNet(nn.Module):
         return self.fc(torch.flatten(F.max_pool2d(self.conv(x), 2), 1))
 
 
+def _saved_and_loaded(module):
+    """``module`` through ``torch.save`` and ``torch.load`` (a whole pickled module, not a state dict)."""
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 @pytest.mark.parametrize("frontend", ["auto", "symbolic", "export", "subtrees"])
 def test_torch_save_of_a_model_calling_f_max_pool2d(frontend: str) -> None:
     x = torch.randn(2, 1, 8, 8)
     dbg = fxdebug.instrument(PoolNet(), [StatCollector()], example_inputs=(x,), frontend=frontend)
     dbg(x)
-    buf = io.BytesIO()
-    torch.save(dbg, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = _saved_and_loaded(dbg)
     assert torch.equal(loaded(x), dbg(x))
 
 
@@ -193,10 +198,7 @@ def test_torch_save_of_a_shadowed_model_calling_f_max_pool2d(frontend: str) -> N
     x = torch.randn(2, 1, 8, 8)
     dbg = fxdebug.instrument(PoolNet(), [Shadow()], example_inputs=(x,), frontend=frontend)
     dbg(x)
-    buf = io.BytesIO()
-    torch.save(dbg, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = _saved_and_loaded(dbg)
     assert torch.equal(loaded(x), dbg(x))
     import copy
 

@@ -234,14 +234,19 @@ def _find_class(qualname: str) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-def _owned_tensor(model: nn.Module, target: str) -> bool:
-    """True if ``target`` names a parameter or buffer registered in ``model``'s hierarchy."""
+def _owner(model: nn.Module, target: str) -> tuple[nn.Module, str] | None:
+    """``(module, attribute name)`` for a dotted ``target`` of ``model``; ``None`` if its module is not there."""
     owner, _, name = target.rpartition(".")
     try:
-        mod = model.get_submodule(owner)
+        return model.get_submodule(owner), name
     except AttributeError:
-        return False
-    return name in mod._parameters or name in mod._buffers
+        return None
+
+
+def _owned_tensor(model: nn.Module, target: str) -> bool:
+    """True if ``target`` names a parameter or buffer registered in ``model``'s hierarchy."""
+    found = _owner(model, target)
+    return found is not None and (found[1] in found[0]._parameters or found[1] in found[0]._buffers)
 
 
 def _model_attr(model: nn.Module, target: str) -> Any:
@@ -255,12 +260,8 @@ def _model_attr(model: nn.Module, target: str) -> Any:
 
 def _plain_tensor(model: nn.Module, target: str) -> bool:
     """True if ``target`` names a tensor held as a plain attribute (not a buffer) of a module of ``model``."""
-    owner, _, name = target.rpartition(".")
-    try:
-        mod = model.get_submodule(owner)
-    except AttributeError:
-        return False
-    return isinstance(mod.__dict__.get(name), Tensor)
+    found = _owner(model, target)
+    return found is not None and isinstance(found[0].__dict__.get(found[1]), Tensor)
 
 
 def _safe(name: str) -> str:
