@@ -139,5 +139,5 @@ def test_more_passes_on_a_compiled_live_module_stay_compiled() -> None:
     model, x = _model(), torch.randn(4, 8)
     dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(x,), backend="inductor")
     more = fxdebug.instrument(dbg, [NaNCheck()], example_inputs=(x,))
-    assert more.__dict__["_backend"] == "inductor"
-    assert fxdebug.instrument(dbg, [NaNCheck()], backend="eager").__dict__["_backend"] == "eager"
+    assert more._live_state.backend == "inductor"
+    assert fxdebug.instrument(dbg, [NaNCheck()], backend="eager")._live_state.backend == "eager"

@@ -26,7 +26,7 @@ import dataclasses
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import CodeType, FrameType
 from typing import Any
 
@@ -36,7 +36,7 @@ from torch import nn
 from fxdebug.capture.dynamo import DynamoGraph
 from fxdebug.capture.dynamo_names import ENTRY_DIR, root_codes
 
-__all__ = ["Site", "SitedGraph", "at_site", "call_site", "root_codes"]
+__all__ = ["Site", "SiteBook", "SitedGraph", "at_site", "call_site", "root_codes"]
 
 _MODULE_PY = os.path.normcase(os.path.abspath(sys.modules[nn.Module.__module__].__file__ or ""))
 _TORCH = os.path.join(os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__ or ""))), "")
@@ -78,6 +78,26 @@ class SitedGraph(DynamoGraph):
     @property
     def key(self) -> str:
         return f"{self.frame}/{self.recompile}" + (f"@{self.site.label}" if self.site is not None else "")
+
+
+@dataclass
+class SiteBook:
+    """What the call-site look-up keeps for one live module (its ``LiveState.sites``), between graph runs."""
+
+    counts: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    """``(frame, module path, caller)`` -> runs so far in the current call: the next run's occurrence. The live
+    module starts a fresh one at each call, so occurrences count within one call of the model."""
+    graphs_this_call: int = 0
+    """Graphs run in the current call: none means Dynamo skipped the model's forward whole (``live_skips``)."""
+    roots: set[str] | None = None
+    """The code keys of the model's own forward (``root_codes``), found at the first graph run: its graphs are at the
+    trivial site, recognised without a stack walk."""
+    paths: dict[int, str] = field(default_factory=dict)
+    """``id(module)`` -> its path in the model: the site's module path without a ``named_modules`` walk per run."""
+    capped: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    """The note for each site past ``MAX_OCCURRENCES`` (a loop), which the live call adds to the report's notes."""
+    sited: dict[tuple[Any, ...], DynamoGraph] = field(default_factory=dict)
+    """``(graph, path, caller, occurrence, function)`` -> the one graph for that site: each site is one part."""
 
 
 def _cached_info(code: CodeType) -> tuple[int, tuple[str, str], str, bool]:
@@ -131,10 +151,10 @@ def _walk(frame: FrameType | None) -> tuple[tuple[str, str] | None, tuple[str, s
     return own, caller, None
 
 
-def _module_path(state: dict[str, Any], model: nn.Module, module: Any) -> str:
+def _module_path(book: SiteBook, model: nn.Module, module: Any) -> str:
     if module is None or module is model:
         return ""
-    paths: dict[int, str] = state.setdefault("_site_paths", {})
+    paths = book.paths
     found = paths.get(id(module))
     if found is None:  # a module not seen yet (replaced since): the table again
         paths.clear()
@@ -144,40 +164,38 @@ def _module_path(state: dict[str, Any], model: nn.Module, module: Any) -> str:
     return found
 
 
-def call_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph, frame: FrameType | None) -> Site | None:
+def call_site(book: SiteBook, model: nn.Module, graph: DynamoGraph, frame: FrameType | None) -> Site | None:
     """The site ``graph`` runs at now (``frame``: the dispatcher's caller); ``None`` for the root forward's own graph.
 
-    ``state`` is the live module's: the occurrence counters of the current call (``_site_counts``), the
-    module-path table, the root forward's code. Counts an occurrence: once per graph run.
+    ``book`` is the live module's: the occurrence counters of the current call, the module-path table, the
+    root forward's code. Counts an occurrence: once per graph run.
     """
-    found = _locate(state, model, graph, frame)
+    found = _locate(book, model, graph, frame)
     return None if found is None else _site(found)
 
 
-def _locate(state: dict[str, Any], model: nn.Module, graph: DynamoGraph,
+def _locate(book: SiteBook, model: nn.Module, graph: DynamoGraph,
             frame: FrameType | None) -> tuple[str, tuple[str, str, int] | None, int, str] | None:
     """``(module path, caller, occurrence, function)`` of this run of ``graph``; ``None`` at the root forward."""
-    state["_graphs_this_call"] = state.get("_graphs_this_call", 0) + 1  # (instrumented/live_skips.py reads it)
-    roots = state.get("_site_roots")
+    book.graphs_this_call += 1
+    roots = book.roots
     if roots is None:
-        roots = state["_site_roots"] = root_codes(model)
+        roots = book.roots = root_codes(model)
     if graph.code in roots or graph.code.startswith(ENTRY_DIR):  # the model's forward, or the entry Dynamo inlined it in
         return None
     own, caller, module = _walk(frame)
     function = own[1] if own is not None else ""
     if function == "forward":  # a module's own forward: its module path is its place (above it: decorators, if any)
         caller = None
-    path = _module_path(state, model, module)
-    counts = state.get("_site_counts")
-    if counts is None:
-        counts = state["_site_counts"] = {}  # the live module starts a fresh one at each call
+    path = _module_path(book, model, module)
+    counts = book.counts
     key = (graph.frame, path, caller)  # Dynamo numbers frames per code object (two resume functions can share a name)
     seen = counts.get(key, 0)
     counts[key] = seen + 1
     occurrence = min(seen, MAX_OCCURRENCES)  # a helper in a long loop: the calls past the cap share one row
-    if seen == MAX_OCCURRENCES and key not in state.setdefault("_site_capped", {}):
+    if seen == MAX_OCCURRENCES and key not in book.capped:
         where = "/".join(p for p in (path, function) if p) or "<root>"
-        state["_site_capped"][key] = (f"dynamo: {where} ran more than {MAX_OCCURRENCES} times at one place in one call "
+        book.capped[key] = (f"dynamo: {where} ran more than {MAX_OCCURRENCES} times at one place in one call "
                                       f"(a loop): its calls from the {MAX_OCCURRENCES + 1}th on share one set of rows "
                                       f"({where}#{MAX_OCCURRENCES}); ShapeAssert compares them with each other")
     return path, caller, occurrence, function
@@ -188,15 +206,15 @@ def _site(found: tuple[str, tuple[str, str, int] | None, int, str]) -> Site:
     return Site(path, ":".join(map(str, caller)) if caller else "", occurrence, function)
 
 
-def at_site(state: dict[str, Any], model: nn.Module, graph: DynamoGraph) -> DynamoGraph:
+def at_site(book: SiteBook, model: nn.Module, graph: DynamoGraph) -> DynamoGraph:
     """``graph`` itself at its trivial site; else the one ``SitedGraph`` for (graph, site), made at its first call.
 
     Called by the live module for every graph run (``run_graph``), from inside Dynamo's dispatcher: one
     stack walk and a few dictionary look-ups for a graph that is not the root forward's own."""
-    found = _locate(state, model, graph, sys._getframe(1))
+    found = _locate(book, model, graph, sys._getframe(1))
     if found is None:
         return graph
-    sited: dict[tuple[Any, ...], DynamoGraph] = state.setdefault("_sited", {})
+    sited = book.sited
     key = (graph, *found)
     hit = sited.get(key)
     if hit is None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import threading
 import time
 from typing import Any, Sequence
 
@@ -33,7 +32,7 @@ from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.live import _global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
-from fxdebug.capture.dynamo import DynamoGraph, NodeNamer, dynamo_config, live, prepare, quiet_warnings
+from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.errors import FxDebugError, TraceError, UsageError
@@ -47,6 +46,7 @@ from fxdebug.instrumented.live_call import backend_note, live_call, live_forward
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
 from fxdebug.instrumented.live_skips import watched
+from fxdebug.instrumented.live_state import STATE_KEY, LiveState
 from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import channel_maxima
@@ -69,6 +69,8 @@ class LiveInstrumented(Instrumented):
     """An ``Instrumented`` module whose graphs Dynamo captures, at every call, from the live model."""
 
     _model: nn.Module
+    _live_state: LiveState  # everything else this module keeps (fxdebug/instrumented/live_state.py)
+    example_inputs: Any = None  # what instrument() was given: gradcheck() and to_module() default to them
 
     @classmethod
     def _live(cls, model: nn.Module, passes: Sequence[Pass], prior: Report | None = None,
@@ -86,17 +88,9 @@ class LiveInstrumented(Instrumented):
         info = TraceInfo(frontend="dynamo")
         info.notes.extend(notes)
         gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
-        state = gm.__dict__
-        state["_passes"] = list(passes)
-        state["_prior"] = prior
-        state["_parts"] = {}  # DynamoGraph -> Instrumented, in capture order
-        state["_namer"] = NodeNamer()
-        state["_lock"] = threading.RLock()
-        state["_calls"] = 0
-        state["_globals"] = _global_hook_count()  # Dynamo does not guard global module hooks: checked per call
-        state["_backend"] = backend  # instrument(backend=): "eager", or "inductor" compiles the instrumented graphs
-        state["_compiled"] = _compiled_entry(model, compiler_for(backend))
-        state["_entries"] = []  # (the composite backend for an outer torch.compile's backend, the entry compiled for it)
+        gm.__dict__[STATE_KEY] = LiveState(passes=list(passes), prior=prior, backend=backend,
+                                           compiled=_compiled_entry(model, compiler_for(backend)),
+                                           global_hooks=_global_hook_count())
         return gm
 
     def recompile(self) -> Any:
@@ -115,22 +109,23 @@ class LiveInstrumented(Instrumented):
         ``TraceError``s at any call.
         """
         refuse_tracing(self._model)  # torch.jit.trace / onnx export: a typed error pointing to to_module() (issue 35 B14)
-        self.__dict__["_calls"] += 1
-        self.__dict__["_site_counts"] = {}  # each call counts its call sites afresh (capture/dynamo_sites.py)
-        if _global_hook_count() != self.__dict__["_globals"]:
-            self.__dict__["_calls"] -= 1
+        state = self._live_state
+        state.calls += 1
+        state.sites.counts.clear()  # each call counts its call sites afresh (capture/dynamo_sites.py)
+        if _global_hook_count() != state.global_hooks:
+            state.calls -= 1
             raise TraceError(
                 f"a global module hook (torch.nn.modules.module.register_module_forward_hook and kin) was registered or "
                 f"removed after {type(self._model).__name__} was instrumented; TorchDynamo does not guard on global hooks, "
                 "so the captured graphs would run as before. Instrument again after registering it.",
                 module="", op="global hook")
-        captured = len(self.__dict__["_parts"])
+        captured = len(state.parts)
         try:
             if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
                 out = self._call_under_modes(args, kwargs)
             else:
                 # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
-                with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
+                with live(self), dynamo_config(not state.ran), _QUIET():
                     try:
                         out = watched(self, self._entry_now())(*args, **kwargs)  # skipped frames noted (live_skips.py)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
@@ -143,20 +138,20 @@ class LiveInstrumented(Instrumented):
                     raise guarded from exc
             raise
         except torch._dynamo.exc.TorchRuntimeError as exc:  # an op of the model failed (on fake tensors), untyped
-            if self.__dict__.get("_ran"):
+            if state.ran:
                 raise
-            raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
+            raise _first_call_failed(self._model, exc, state.capturing_examples) from exc
         except torch._dynamo.exc.TorchDynamoException as exc:
             raise _dynamo_failed(self._model, exc) from exc
         except Exception as exc:
-            if self.__dict__.get("_ran"):
+            if state.ran:
                 raise
             typed = _diagnosed(self._model, args, kwargs, exc)  # an op's shape/device problem names its node
             if typed is not exc and not isinstance(typed, TraceError):  # (not symbolic tracing's own limits)
                 raise typed from exc
-            raise _first_call_failed(self._model, exc, self.__dict__.get("_examples", False)) from exc
-        self.__dict__["_ran"] = True
-        if len(self.__dict__["_parts"]) > captured:  # this call captured: say which optional arguments were None
+            raise _first_call_failed(self._model, exc, state.capturing_examples) from exc
+        state.ran = True
+        if len(state.parts) > captured:  # this call captured: say which optional arguments were None
             _note_none_arguments(self._model, args, kwargs, self.trace_info.notes)
             _note_fast_paths(self._model, self.trace_info.notes)
         return out
@@ -166,9 +161,9 @@ class LiveInstrumented(Instrumented):
         backend compiles (``live_call`` found it active), one per distinct backend (its composite backend)."""
         outer = outer_now()
         if outer is None:
-            return self.__dict__["_compiled"]
+            return self._live_state.compiled
         backend = composite(outer)
-        entries: list[tuple[Any, Any]] = self.__dict__["_entries"]
+        entries = self._live_state.entries
         for have, entry in entries:
             if have is backend:
                 return entry
@@ -203,7 +198,7 @@ class LiveInstrumented(Instrumented):
 
         if kwargs:
             return None
-        for found in reversed(list(self.__dict__["_parts"].values())):
+        for found in reversed(list(self._live_state.parts.values())):
             part = found.part
             call = _user_arguments([n for n in part.graph.nodes if n.op == "placeholder"], args)
             if call is None:
@@ -227,11 +222,11 @@ class LiveInstrumented(Instrumented):
         Code Dynamo runs eagerly between graphs (after a graph break) runs without the modes; the
         report says so.
         """
-        lifted: list[Any] = self.__dict__.setdefault("_lifted", [])
+        lifted = self._live_state.lifted
         with _disable_current_modes() as modes:
             lifted.append(list(modes))
             try:
-                with live(self), dynamo_config(not self.__dict__.get("_ran")), _QUIET():
+                with live(self), dynamo_config(not self._live_state.ran), _QUIET():
                     return self._entry_now()(*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
                 self._raise_typed(args, kwargs, exc)
@@ -241,17 +236,18 @@ class LiveInstrumented(Instrumented):
 
     # -- the session Dynamo's graphs run in ---------------------------------------------------------
     def run_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> Any:
-        graph = at_site(self.__dict__, self._model, graph)  # one part per call site (capture/dynamo_sites.py)
-        found = self.__dict__["_parts"].get(graph)
+        state = self._live_state
+        graph = at_site(state.sites, self._model, graph)  # one part per call site (capture/dynamo_sites.py)
+        found = state.parts.get(graph)
         if found is None:
             found = self._instrument_graph(graph, args)
-        if self.__dict__.get("_examples"):
+        if state.capturing_examples:
             # instrument()'s capture on the example inputs: the graph is instrumented (shapes learnt), but what runs
             # is Dynamo's plain graph, as a snapshot frontend runs the model only to learn shapes: no breakpoint,
             # raise-mode check, NaN callback or gradient hook of the passes fires at instrument time
             return graph.gm(*args)
-        found.calls.append(self.__dict__["_calls"] - 1)  # this graph's next call index is the module's call
-        lifted = self.__dict__.get("_lifted")
+        found.calls.append(state.calls - 1)  # this graph's next call index is the module's call
+        lifted = state.lifted
         try:
             if lifted:  # the user's dispatch modes, lifted while Dynamo checked its guards: back on for the graph
                 if graph.graph_break and _MODES_NOTE not in self.trace_info.notes:
@@ -266,13 +262,14 @@ class LiveInstrumented(Instrumented):
             raise
 
     def _instrument_graph(self, graph: DynamoGraph, args: tuple[Any, ...]) -> "_Part":
-        with self.__dict__["_lock"]:
-            parts: dict[DynamoGraph, _Part] = self.__dict__["_parts"]
+        state = self._live_state
+        with state.lock:
+            parts = state.parts
             if graph in parts:
                 return parts[graph]
             start = time.perf_counter()
             model = self._model
-            prepared = prepare(graph, self.__dict__["_namer"], args, model, NAMESPACE)
+            prepared = prepare(graph, state.namer, args, model, NAMESPACE)
             part = _part_over(model, prepared)
             info = TraceInfo(frontend="dynamo")
             if graph.graph_break:
@@ -280,7 +277,7 @@ class LiveInstrumented(Instrumented):
             part.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
             inputs = Inputs(*[args[i] for i in prepared.keep])
             try:
-                part = run_part(part, self.__dict__["_passes"], inputs, self.__dict__["_prior"])
+                part = run_part(part, state.passes, inputs, state.prior)
             except FxDebugError as exc:
                 exc.__dict__[_WHILE_INSTRUMENTING] = True
                 raise
@@ -304,9 +301,10 @@ class LiveInstrumented(Instrumented):
         """The captured graph when there is exactly one (``dbg.parts()``); otherwise a ``UsageError`` naming them.
 
         The live module itself holds no graph: Dynamo captures one per frame, graph break and recompile."""
-        parts = self.__dict__.get("_parts")
-        if parts is None:  # GraphModule's own construction, before the live state exists
+        state: LiveState | None = self.__dict__.get(STATE_KEY)
+        if state is None:  # GraphModule's own construction, before the live state exists
             return self._graph
+        parts = state.parts
         if len(parts) == 1:
             return next(iter(parts.values())).part.graph
         model = type(self._model).__name__
@@ -323,16 +321,17 @@ class LiveInstrumented(Instrumented):
 
     def graphs(self) -> list[DynamoGraph]:
         """Every graph Dynamo handed over while this module ran, in the order they were captured."""
-        return list(self.__dict__["_parts"])
+        return list(self._live_state.parts)
 
     def parts(self) -> dict[str, Instrumented]:
         """``{"frame/recompile": Instrumented}`` for every graph captured so far, in capture order."""
-        return {g.key: p.part for g, p in self.__dict__["_parts"].items()}
+        return {g.key: p.part for g, p in self._live_state.parts.items()}
 
     def replace_part(self, path: str, new: Instrumented) -> "LiveInstrumented":
-        for g in self.__dict__["_parts"]:
+        parts = self._live_state.parts
+        for g in parts:
             if g.key == path:
-                self.__dict__["_parts"][g] = _Part(new, self.__dict__["_parts"][g].keep)
+                parts[g] = _Part(new, parts[g].keep)
                 return self
         raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
 
@@ -350,7 +349,7 @@ class LiveInstrumented(Instrumented):
         """``{node: per-channel max}`` over every capture (``report(all_ranks=True)`` merges ranks by them): the
         elementwise max where several captures ran a node (``observers()`` holds one capture's observer per name)."""
         out: dict[str, list[float]] = {}
-        for found in self.__dict__["_parts"].values():
+        for found in self._live_state.parts.values():
             for name, values in channel_maxima(found.part).items():
                 have = out.get(name)
                 out[name] = values if have is None or len(have) != len(values) else [max(a, b) for a, b in zip(have, values)]
@@ -364,7 +363,7 @@ class LiveInstrumented(Instrumented):
     def _summary_notes(self) -> list[str]:
         # the graphs Dynamo handed over: one per call site counted once (SitedGraph.base), snapshot parts (frame -1) not
         graphs = list(dict.fromkeys(getattr(g, "base", None) or g for g in self.graphs() if g.frame >= 0))
-        notes = list(self.trace_info.notes) + list(self.__dict__.get("_saved_notes", ()))
+        notes = list(self.trace_info.notes) + self._live_state.saved_notes
         if not graphs:
             return notes
         frames = {g.code or g.frame for g in graphs}
@@ -372,7 +371,7 @@ class LiveInstrumented(Instrumented):
         notes.append(f"dynamo: {len(graphs)} graph(s) captured over {len(frames)} frame(s); "
                      f"{recompiles} recompile(s) (a guard failed: another mode, shape, keyword signature, "
                      "attribute value or hook)")
-        notes.append(backend_note(self.__dict__["_parts"]))
+        notes.append(backend_note(self._live_state.parts))
         seen: set[tuple[str, str]] = set()
         for g in graphs:
             if g.graph_break and (g.where, g.reason) not in seen:
@@ -387,24 +386,26 @@ class LiveInstrumented(Instrumented):
         if options:
             raise UsageError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
         # the captures' reports from before a save/load (their graphs stay behind: Dynamo's cache is per process)
-        reports: list[tuple[Report, Any]] = list(self.__dict__.get("_saved", ()))
-        for found in self.__dict__["_parts"].values():
+        state = self._live_state
+        reports: list[tuple[Report, Any]] = list(state.saved)
+        for found in state.parts.values():
             rep = found.part._part_report()
             _global_calls(rep, found.calls)
             reports.append((rep, found.part))
-        one = merge_captures(reports, self.__dict__["_calls"])
+        one = merge_captures(reports, state.calls)
         merged = merge_reports({"": one}, frontend="dynamo", notes=self._summary_notes())
-        merged.calls = self.__dict__["_calls"]
+        merged.calls = state.calls
         _origin_facts(merged, reports)
         return merged
 
     def reset(self) -> None:
-        for found in self.__dict__["_parts"].values():
+        state = self._live_state
+        for found in state.parts.values():
             found.part.reset()
             found.calls.clear()
-        self.__dict__["_calls"] = 0
-        self.__dict__["_saved"] = []
-        self.__dict__["_saved_notes"] = []
+        state.calls = 0
+        state.saved = []
+        state.saved_notes = []
 
     def learn_shapes(self, example_inputs: Any) -> None:
         """Shapes are learnt from the arguments of each graph's first call."""
@@ -415,8 +416,9 @@ class LiveInstrumented(Instrumented):
         the live graphs' masks and derived layers (``fxdebug.instrumented.live_export``)."""
         from fxdebug.instrumented.live_export import live_to_module
 
-        return live_to_module(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
-                              self.__dict__.get("_example_inputs"), self.parts().values(), shrink)
+        state = self._live_state
+        return live_to_module(self._model, state.passes, state.prior, self.example_inputs, self.parts().values(),
+                              shrink)
 
     def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
         """Draw the largest captured graph, annotated with the report over every capture."""
@@ -437,16 +439,17 @@ class LiveInstrumented(Instrumented):
         return draw(largest, path, report=report, **kwargs)
 
     def retrace(self) -> Instrumented:
-        again = LiveInstrumented._live(self._model, self.__dict__["_passes"], self.__dict__["_prior"],
-                                       self.trace_info.notes, self.__dict__["_backend"])
+        state = self._live_state
+        again = LiveInstrumented._live(self._model, state.passes, state.prior, self.trace_info.notes, state.backend)
         graph_record(again).passes.extend(graph_record(self).passes)  # what the passes did: the same passes
         return again
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "LiveInstrumented":
         import copy
 
-        twin = LiveInstrumented._live(copy.deepcopy(self._model, memo), self.__dict__["_passes"],
-                                      self.__dict__["_prior"], self.trace_info.notes, self.__dict__["_backend"])
+        state = self._live_state
+        twin = LiveInstrumented._live(copy.deepcopy(self._model, memo), state.passes, state.prior,
+                                      self.trace_info.notes, state.backend)
         graph_record(twin).passes.extend(graph_record(self).passes)
         return twin
 
@@ -454,26 +457,27 @@ class LiveInstrumented(Instrumented):
         """Saved with what it observed: each capture's report (rows, call counts, per-channel maxima), the
         module's call count and its node names. The graphs themselves are Dynamo's, valid in this process
         only: the loaded module captures again at its first call, and the new rows merge with the saved ones."""
-        saved: list[tuple[Report, dict[str, list[float]]]] = list(self.__dict__.get("_saved", ()))
-        for found in self.__dict__["_parts"].values():
+        live = self._live_state
+        saved: list[tuple[Report, Any]] = list(live.saved)
+        for found in live.parts.values():
             rep = found.part._part_report()
             _global_calls(rep, found.calls)
             saved.append((rep, channel_maxima(found.part)))
         notes = [n if n.startswith(_SAVED) else n.replace("dynamo: ", _SAVED, 1)
                  for n in self._summary_notes() if n not in self.trace_info.notes]
-        state = {"saved": saved, "calls": self.__dict__["_calls"], "namer": self.__dict__["_namer"], "notes": notes,
-                 "backend": self.__dict__["_backend"],
+        state = {"saved": saved, "calls": live.calls, "namer": live.namer, "notes": notes, "backend": live.backend,
                  # what each pass did (names and counts; not the graph it did it to, which stays in this process)
                  "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
-        return (_load_live, (self._model, self.__dict__["_passes"], list(self.trace_info.notes), state))
+        return (_load_live, (self._model, live.passes, list(self.trace_info.notes), state))
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
                state: dict[str, Any] | None = None) -> LiveInstrumented:
     gm = LiveInstrumented._live(model, passes, None, notes, (state or {}).get("backend", "eager"))
     if state:  # what the saved module had observed (see ``LiveInstrumented.__reduce__``)
-        gm.__dict__.update(_saved=list(state["saved"]), _calls=int(state["calls"]), _namer=state["namer"],
-                           _saved_notes=list(state["notes"]))
+        live = gm._live_state
+        live.saved, live.calls, live.namer = list(state["saved"]), int(state["calls"]), state["namer"]
+        live.saved_notes = list(state["notes"])
         graph_record(gm).passes.extend(state.get("pass_results", ()))
     return gm
 

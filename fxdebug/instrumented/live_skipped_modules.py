@@ -31,23 +31,24 @@ __all__ = ["find_skipped_modules", "routed_skipped_modules"]
 _FAILED = object()
 
 
-def find_skipped_modules(live: Any) -> None:
+def find_skipped_modules(live: Any) -> dict[str, Skip]:
     """Note which submodules' forwards Dynamo skipped (``SKIPPED``, process-wide), to route them from the next call.
 
     A skipped forward whose calls Dynamo captured as frames of their own (its submodules' forwards, the
     helpers it calls: graphs whose call site is inside it) is observed already, through those graphs, each
     at its own call site: it is not routed (a snapshot would take them out of Dynamo's hands); a note says
-    its own code ran eagerly."""
-    state = live.__dict__
-    found: dict[str, Skip] = state.setdefault("_skipped_modules", {})
-    seen: dict[str, Skip] = state.setdefault("_skipped_seen", {})
+    its own code ran eagerly. Returns the routed ones (``LiveState.skipped_modules``)."""
+    state = live._live_state
+    if state.skipped_modules is None:
+        state.skipped_modules = {}
+    found, seen = state.skipped_modules, state.skipped_seen
     for path, module in live._model.named_modules():
         if not path or path in found or path in seen:
             continue
         skip = next((SKIPPED[c] for c in root_codes(module) if c in SKIPPED), None)
         if skip is None:
             continue
-        inner = sorted({g.site.module or "<root>" for g in state["_parts"] if getattr(g, "site", None) is not None
+        inner = sorted({g.site.module or "<root>" for g in state.parts if getattr(g, "site", None) is not None
                         and (g.site.module == path or g.site.module.startswith(path + "."))})
         if inner:
             seen[path] = skip
@@ -58,6 +59,7 @@ def find_skipped_modules(live: Any) -> None:
                      "eagerly, unobserved.")
         else:
             found[path] = skip
+    return found
 
 
 class routed_skipped_modules:  # noqa: N801 - a context manager, used as a function
@@ -68,9 +70,9 @@ class routed_skipped_modules:  # noqa: N801 - a context manager, used as a funct
         self.installed: list[nn.Module] = []
 
     def __enter__(self) -> None:
-        state = self.live.__dict__
-        for path in state.get("_skipped_modules", {}):
-            snapshot = state.setdefault("_module_snapshots", {}).get(path)
+        state = self.live._live_state
+        for path in state.skipped_modules or {}:
+            snapshot = state.module_snapshots.get(path)
             if snapshot is _FAILED:
                 continue
             try:
@@ -91,7 +93,7 @@ class routed_skipped_modules:  # noqa: N801 - a context manager, used as a funct
 def _routed(live: Any, path: str, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     route = module.__dict__.pop("forward", None)  # the snapshot copies the module's attributes: not this one
     try:
-        snapshot = live.__dict__["_module_snapshots"].get(path)
+        snapshot = live._live_state.module_snapshots.get(path)
         if snapshot is None:
             snapshot = _snapshot(live, path, module, args, kwargs)
         if snapshot is _FAILED:
@@ -108,21 +110,21 @@ _ROUTED: Callable[..., Any] = torch._dynamo.disable(_routed)
 
 
 def _snapshot(live: Any, path: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    state = live.__dict__
-    skip = state["_skipped_modules"][path]
+    state = live._live_state
+    skip = (state.skipped_modules or {})[path]
     name = type(module).__name__
     sub, parts, why = snapshot_of(live, module, path, args, kwargs)
     if sub is None:
-        state["_module_snapshots"][path] = _FAILED
+        state.module_snapshots[path] = _FAILED
         add_note(live.trace_info.notes,
                  f"dynamo: {path} ({name}): its forward runs without a graph (Dynamo skipped it, {skip.where}) and "
                  f"could not be observed another way: the subtrees frontend failed ({why}); the report has no rows "
                  "inside it.")
         return _FAILED
-    state["_module_snapshots"][path] = sub
+    state.module_snapshots[path] = sub
     add_note(live.trace_info.notes,
              f"dynamo: {path} ({name}): its forward runs without a graph (Dynamo skipped it, {skip.where}); observed "
              f"instead through a snapshot of its submodules (the subtrees frontend, from its first call in call "
-             f"{state.get('_calls', 0)}): {len(parts)} part(s): {', '.join(parts) or 'none'}. Its own code between "
+             f"{state.calls}): {len(parts)} part(s): {', '.join(parts) or 'none'}. Its own code between "
              "them runs eagerly, unobserved.")
     return sub

@@ -29,28 +29,27 @@ __all__ = ["watched"]
 
 def watched(live: Any, entry: Callable[..., Any]) -> Callable[..., Any]:
     """What the live call runs: ``entry`` (Dynamo's) with its skips noted, or the snapshot that replaced it."""
-    fallback = live.__dict__.get("_fallback")
+    fallback = live._live_state.fallback
     if fallback is not None:
         return functools.partial(_through_snapshot, live, fallback)
     return functools.partial(_run, live, entry)
 
 
 def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    state = live.__dict__
-    state["_graphs_this_call"] = 0
+    state = live._live_state
+    state.sites.graphs_this_call = 0
     with routed_skipped_modules(live), recorded_skips() as skips, recorded_breaks(type(live._model)):
         out = entry(*args, **kwargs)
     notes = live.trace_info.notes
     _note_breaks(live, notes)
-    for note in state.get("_site_capped", {}).values():  # (capture/dynamo_sites.py)
+    for note in state.sites.capped.values():  # (capture/dynamo_sites.py)
         add_note(notes, note)
     for skip in skips:
         add_note(notes, skip_note(skip))
-    if skips or "_skipped_modules" not in state:  # a submodule's forward skipped (now, or by another live module)
-        find_skipped_modules(live)
-        for skip in state["_skipped_modules"].values():  # also those Dynamo skipped before, for good
+    if skips or state.skipped_modules is None:  # a submodule's forward skipped (now, or by another live module)
+        for skip in find_skipped_modules(live).values():  # also those Dynamo skipped before, for good
             add_note(notes, skip_note(skip))
-    if not state.get("_graphs_this_call"):
+    if not state.sites.graphs_this_call:
         model = live._model
         root = next((SKIPPED[c] for c in root_codes(model) if c in SKIPPED), None)
         if root is not None:
@@ -75,7 +74,7 @@ def _note_breaks(live: Any, notes: list[str]) -> None:
 
 def _observe_otherwise(live: Any, root: Skip, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Capture the model by the subtrees frontend on this call's arguments; later calls run through it."""
-    state = live.__dict__
+    state = live._live_state
     name = type(live._model).__name__
     sub, parts, why = snapshot_of(live, live._model, "", args, kwargs)
     if sub is None:
@@ -85,11 +84,11 @@ def _observe_otherwise(live: Any, root: Skip, args: tuple[Any, ...], kwargs: dic
                  "forward capturable (torch.cond, no data-dependent branch in a loop) or instrument it with "
                  "frontend='subtrees' and example_inputs.")
         return
-    state["_fallback"] = sub
+    state.fallback = sub
     sub.train(live.training)
     add_note(live.trace_info.notes,
              f"dynamo: {name}'s forward ran without a graph (Dynamo skipped it, {root.where}); observed instead through "
-             f"a snapshot of its submodules (the subtrees frontend, from the arguments of call {state.get('_calls', 0)}): "
+             f"a snapshot of its submodules (the subtrees frontend, from the arguments of call {state.calls}): "
              f"{len(parts)} part(s): {', '.join(parts) or 'none'}. The root's own code between them runs eagerly, "
              "unobserved, and the calls before it were not observed; a submodule replaced on the model afterwards is "
              "not seen (instrument again).")

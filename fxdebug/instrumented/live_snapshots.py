@@ -53,10 +53,10 @@ def snapshot_of(live: Any, module: nn.Module, path: str, args: tuple[Any, ...],
     ``live``'s; ``(None, [], why)`` when the subtrees frontend cannot capture it."""
     from fxdebug.instrumented.pipeline import capture_module, run_pipeline
 
-    state = live.__dict__
+    state = live._live_state
     try:
         sub = capture_module("subtrees", module, (tuple(args), dict(kwargs)), TraceOptions())
-        sub = run_pipeline(sub, state["_passes"], Inputs(*args, **kwargs), state.get("_prior"))
+        sub = run_pipeline(sub, state.passes, Inputs(*args, **kwargs), state.prior)
     except (FxDebugError, RuntimeError, TypeError, ValueError) as exc:
         return None, [], f"{type(exc).__name__}: {str(exc)[:200]}"
     names = []
@@ -65,7 +65,7 @@ def snapshot_of(live: Any, module: nn.Module, path: str, args: tuple[Any, ...],
         names.append(where)
         graph = SnapshotGraph(part, -1, i, code=f"snapshot:{where}", path=where)
         object.__setattr__(part, "_part_report", functools.partial(_prefixed, part._part_report, where))
-        state["_parts"][graph] = _Part(part, [])
+        state.parts[graph] = _Part(part, [])
     sub.train(module.training)
     return sub, names, ""
 

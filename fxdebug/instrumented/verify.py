@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 from fxdebug.errors import ArgumentTypeError, MissingInputsError, VerificationError
 from fxdebug.graph.inputs import bind_inputs, clone_inputs, normalize_inputs
 from fxdebug.instrumented.face import model_of
+from fxdebug.instrumented.live_state import live_state
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import fx_meta
 from fxdebug.graph.module_state import restore_containers, restore_random_state, saved_containers, saved_random_state
@@ -182,18 +183,18 @@ def _live_kept(dbg: Any) -> Iterator[None]:
     A graph captured during verify (the other mode) is dropped again: it is instrumented anew,
     with empty statistics, when a user's call first runs it.
     """
-    state = dbg.__dict__
-    if "_parts" not in state or "_calls" not in state:
+    state = live_state(dbg)
+    if state is None:
         yield
         return
-    calls, parts = state["_calls"], dict(state["_parts"])
+    calls, parts = state.calls, dict(state.parts)
     lengths = {graph: len(found.calls) for graph, found in parts.items()}
     try:
         yield
     finally:
-        state["_calls"] = calls
-        for graph in [g for g in state["_parts"] if g not in parts]:
-            del state["_parts"][graph]
+        state.calls = calls
+        for graph in [g for g in state.parts if g not in parts]:
+            del state.parts[graph]
         for graph, n in lengths.items():
             del parts[graph].calls[n:]
 

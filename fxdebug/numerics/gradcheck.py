@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from fxdebug.authoring.context import bind_inputs, preserved_state
 from fxdebug.errors import ArgumentTypeError, MissingInputsError
 from fxdebug.graph.meta import is_instrumentation, module_path, op_label, source_line
+from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.modes import recipe
 from fxdebug.graph.select import Where, matches
 from fxdebug.capture.symbolic import normalize_inputs
@@ -316,18 +317,17 @@ def gradcheck(
         raise ArgumentTypeError(f"fxdebug.gradcheck needs an instrumented model (fxdebug.instrument(...)); got {type(dbg).__name__}.")
     remembered = recipe(dbg)  # what instrument()/trace() was given, kept to recapture other modes
     raw = example_inputs if example_inputs is not None else getattr(remembered, "inputs", None)
-    if raw is None:
-        raw = dbg.__dict__.get("_example_inputs")  # a live (Dynamo) module keeps what instrument() was given
+    if raw is None and isinstance(dbg, LiveInstrumented):
+        raw = dbg.example_inputs  # a live (Dynamo) module keeps what instrument() was given
     inputs = normalize_inputs(raw)
     if inputs is None:
         raise MissingInputsError("fxdebug.gradcheck needs the example run's inputs: pass example_inputs=(x,).")
-    live = dbg.__dict__.get("_model")
-    if live is not None and getattr(getattr(dbg, "trace_info", None), "frontend", "") == "dynamo":
+    if isinstance(dbg, LiveInstrumented):
         # a live module's graphs are Dynamo's (a custom autograd Function is a higher-order op there, not a node of
         # its own): check the backward on one snapshot graph of the model as it is now
         from fxdebug.api import trace
 
-        dbg = trace(live, raw)
+        dbg = trace(dbg.model, raw)
     calls = ("call_function", "call_method", "call_module")
     if isinstance(where, str) and where == "<custom>":
         picked = [n for n in dbg.graph.nodes if n.op in calls and not is_instrumentation(n) and is_custom(n, dbg)]
