@@ -162,7 +162,7 @@ def test_mode_switch_recipe_is_data_and_recaptures_on_its_own_floor():
     from torch import nn
 
     from fxdebug.instrumented import pipeline
-    from fxdebug.instrumented.modes import recipe
+    from fxdebug.instrumented.snapshot_recipe import recipe
 
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).eval(), torch.randn(3, 4)
@@ -174,4 +174,4 @@ def test_mode_switch_recipe_is_data_and_recaptures_on_its_own_floor():
     assert not hasattr(rec, "instrument")
     dbg.train()
     dbg(x)  # the export graph bakes eval mode in: called in training mode, it is captured again
-    assert len(rec.captures) == 2 and rec.current is rec.captures[1] and rec.current.flags[0] is True
+    assert len(rec.snapshots) == 2 and rec.current is rec.snapshots[1] and rec.current.flags[0] is True

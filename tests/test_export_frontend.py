@@ -257,7 +257,7 @@ class ShapeBranch(nn.Module):
 def test_a_call_of_another_signature_is_captured_again_once():
     model = ShapeBranch()
     dbg = fxdebug.instrument(model, [StatCollector()], example_inputs=(torch.randn(4, 6),), frontend="export")
-    from fxdebug.instrumented.recapture import captures
+    from fxdebug.instrumented.snapshot_cache import other_signatures as captures
 
     with torch.no_grad():
         for x, kw in [(torch.randn(4, 6), {}), (torch.randn(4, 6), {"scale": 2.0}), (torch.randn(4, 6), {"scale": 2.0})]:

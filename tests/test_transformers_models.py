@@ -187,7 +187,7 @@ def test_default_config_gpt2_is_captured_by_export_with_its_cache_and_generates(
             assert torch.equal(a, b)
         expected = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
         assert torch.equal(dbg.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0), expected)
-    from fxdebug.instrumented.recapture import captures
+    from fxdebug.instrumented.snapshot_cache import other_signatures as captures
 
     assert captures(dbg) and any("captured again for a call with another signature" in n for n in dbg.trace_info.notes)
 

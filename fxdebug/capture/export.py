@@ -39,11 +39,11 @@ from fxdebug.capture.faithful import clean_graph_meta
 from fxdebug.capture.faithful_export import export_shell, watched_export
 from fxdebug.capture.faithful_reads import config_guards
 from fxdebug.capture.torch_logs import summary, torch_errors_caught
-from fxdebug.capture.live import LiveGuard
+from fxdebug.capture.staleness import StalenessGuard
 from fxdebug.graph.inputs import untouched_state
 from fxdebug.graph.meta import _clean_export_path, fx_meta
 from fxdebug.graph.module_state import refuse_namespace_clash, refuse_uninitialized
-from fxdebug.capture.symbolic import TraceInfo
+from fxdebug.capture.trace_info import TraceInfo
 
 __all__ = ["InputGuard", "capture_export"]
 
@@ -271,7 +271,7 @@ def _safe(name: str) -> str:
 def _rehome_state(model: nn.Module, exported: GraphModule, graph: Graph, space: nn.Module,
                   links: list[tuple[nn.Module, str, nn.Module, str]]) -> list[str]:
     """Point get_attr nodes at the model's own tensors; move everything else under ``space``. A tensor held
-    as a plain attribute is linked (``links``) to its module, for the live guard to follow per call."""
+    as a plain attribute is linked (``links``) to its module, for the staleness guard to follow per call."""
     params = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     params.update({id(b): n for n, b in model.named_buffers(remove_duplicate=False)})
     consts = nn.Module()
@@ -460,11 +460,11 @@ def capture_export(
     free = _dynamic_dims(graph)
     if free:
         info.notes.append(f"export: dynamic dimensions (any size the model accepts): {', '.join(free)}")
-    info.live = LiveGuard(model, "export", [m for p, m in model.named_modules() if p])  # every module is inlined
+    info.staleness = StalenessGuard(model, "export", [m for p, m in model.named_modules() if p])  # every module is inlined
     paths = {id(m): p for p, m in model.named_modules()}
     paths[id(shell)] = ""
-    info.live.fast_paths = [(paths[id(m)], model if m is shell else m) for m in watch.fast_paths if id(m) in paths]
-    info.live.tensor_attrs = links
+    info.staleness.fast_paths = [(paths[id(m)], model if m is shell else m) for m in watch.fast_paths if id(m) in paths]
+    info.staleness.tensor_attrs = links
     info.seconds = time.perf_counter() - start
     return graph, info, space
 

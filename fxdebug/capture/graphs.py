@@ -17,7 +17,8 @@ from torch.nn.modules.module import _global_module_registration_hooks
 
 from fxdebug.capture.base import CallInputs, Capture, Part, TraceOptions
 from fxdebug.capture.export import capture_export
-from fxdebug.capture.symbolic import TraceInfo, capture_symbolic
+from fxdebug.capture.symbolic import capture_symbolic
+from fxdebug.capture.trace_info import TraceInfo
 from fxdebug.graph.edits import NAMESPACE
 
 __all__ = ["ExportFrontend", "SymbolicFrontend", "graph_module", "single_part"]
@@ -83,7 +84,7 @@ def single_part(model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.M
 def _tensor_attributes(model: nn.Module, graph: Graph) -> dict[str, tuple[nn.Module, str, Tensor]]:
     """``{constant name: (owner module, attribute, tensor)}`` for each ``get_attr`` of a tensor held as a
     plain attribute (not a buffer) of a module of ``model``; the node is pointed at that constant. The
-    live guard (``LiveGuard.tensor_attrs``) points the constant at the module's current tensor before each
+    staleness guard (``StalenessGuard.tensor_attrs``) points the constant at the module's current tensor before each
     call, so ``self.mask = ...`` after ``instrument`` is followed; a copy or a loaded module keeps its own."""
     found: dict[str, tuple[nn.Module, str, Tensor]] = {}
     for node in graph.nodes:
@@ -122,8 +123,8 @@ class SymbolicFrontend:
             if node.op == "get_attr" and str(node.target) in info.constants:
                 node.target = f"{NAMESPACE}.constants.{node.target}"
         info.constants = {}
-        if attrs and info.live is not None:
-            info.live.tensor_attrs = [(owner, name, consts, safe) for safe, (owner, name, _) in attrs.items()]
+        if attrs and info.staleness is not None:
+            info.staleness.tensor_attrs = [(owner, name, consts, safe) for safe, (owner, name, _) in attrs.items()]
         return single_part(model, graph, info, space)
 
 

@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxdebug.graph.inputs import CallInputs, preserved_state
 from fxdebug.graph.module_state import refuse_uninitialized
 from fxdebug.errors import MissingInputsError
-from fxdebug.capture.live import LiveGuard
-from fxdebug.capture.symbolic import TraceInfo
+from fxdebug.capture.staleness import StalenessGuard
+from fxdebug.capture.trace_info import TraceInfo
 from fxdebug.capture.base import Capture, Frontend, Part, TraceOptions
 from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
 from fxdebug.capture.part_flow import part_flow
@@ -255,7 +255,7 @@ def capture_subtrees(model: nn.Module, inputs: CallInputs | None, options: Trace
     covered_params = _params_under(model, order)
     covered_ops = sum(seen[p].ops for p in order)
     info = TraceInfo(frontend="subtrees", notes=notes)
-    info.live = LiveGuard(model, "subtrees")  # the root runs eagerly: its hooks run; each part guards its own
+    info.staleness = StalenessGuard(model, "subtrees")  # the root runs eagerly: its hooks run; each part guards its own
     info.coverage = {
         "parameters": covered_params / total_params if total_params else 1.0,
         "ops": covered_ops / total_ops if total_ops else 1.0,

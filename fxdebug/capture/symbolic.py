@@ -18,7 +18,6 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Iterable
 
@@ -30,54 +29,17 @@ from fxdebug.errors import TraceError
 from fxdebug.capture.faithful import StateWrite, clean_graph_meta, has_call_hooks, patched_for_tracing
 from fxdebug.capture.faithful_reads import TORCH, RandomDraw, config_guards
 from fxdebug.capture.inplace_proxy import MutatingProxy
-from fxdebug.capture.live import LiveGuard
+from fxdebug.capture.staleness import StalenessGuard
+from fxdebug.capture.trace_info import LeafInfo, TraceInfo
 from fxdebug.graph.inputs import Inputs, normalize_inputs, untouched_state
 from fxdebug.graph.module_state import refuse_namespace_clash, refuse_uninitialized
 from fxdebug.graph.meta import fx_meta
 
-__all__ = ["Inputs", "LeafInfo", "TraceInfo", "capture_symbolic", "normalize_inputs"]
+__all__ = ["Inputs", "capture_symbolic", "normalize_inputs"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _FXDEBUG_DIR = os.path.dirname(os.path.dirname(__file__))  # the package root: every folder of fxdebug
 _TRACER_FILES = frozenset(os.path.join(_FXDEBUG_DIR, "capture", f) for f in ("symbolic.py", "faithful.py"))
-
-
-@dataclass(frozen=True)
-class LeafInfo:
-    """Why a module was traced as an opaque leaf."""
-
-    path: str
-    module_type: str
-    reason: str
-    location: str | None  # "model.py:41 `if x.sum() > 0:`"
-
-    def __str__(self) -> str:
-        where = f" at {self.location}" if self.location else ""
-        return f"{self.path} ({self.module_type}): {self.reason}{where}"
-
-
-@dataclass
-class TraceInfo:
-    """How a model was captured: which frontend, what became a leaf, how long it took, coverage."""
-
-    frontend: str = "symbolic"
-    auto_leaves: dict[str, LeafInfo] = field(default_factory=dict)
-    user_leaves: tuple[str, ...] = ()
-    concrete_args: dict[str, Any] = field(default_factory=dict)
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    constants: dict[str, Any] = field(default_factory=dict)  # tensors forward creates (torch.ones(4))
-    # frontend "subtrees": fractions of parameters / executed aten ops under instrumentation,
-    # {module path: why it stayed eager} ("" is the root), {module path: frontend that captured it}
-    coverage: dict[str, float] = field(default_factory=dict)
-    eager_modules: dict[str, str] = field(default_factory=dict)
-    captured: dict[str, str] = field(default_factory=dict)
-    # plain attributes forward read while being captured ((module path, name, value)): a graph may be
-    # specialised to them (``if self.use_cache:``); fxdebug.instrumented.modes captures again when one changes
-    guards: list[tuple[str, str, Any]] = field(default_factory=list)
-    # what the capture assumed about the live model (its module tree, hooks, call signature), checked
-    # before every call: fxdebug.capture.live.LiveGuard
-    live: Any = None
 
 
 class _FailureLocatingTracer(Tracer):
@@ -270,20 +232,20 @@ def capture_symbolic(
     info.concrete_args = concrete
     _fresh_list_arguments(graph)
     _annotate(graph, model, info, named)
-    info.live = _live_guard(model, graph, concrete, named)
+    info.staleness = _staleness_guard(model, graph, concrete, named)
     info.seconds = time.perf_counter() - start
     return graph, info
 
 
-def _live_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any],
-                named: list[tuple[str, nn.Module]]) -> LiveGuard:
+def _staleness_guard(model: nn.Module, graph: Graph, concrete: dict[str, Any],
+                     named: list[tuple[str, nn.Module]]) -> StalenessGuard:
     """The modules the graph traced through (not called as modules) and the arguments it takes.
     ``named``: ``model.named_modules()``, walked once after the trace."""
     leaves = {str(n.target) for n in graph.nodes if n.op == "call_module"}
     inlined = [m for p, m in named if p and p not in leaves and not _under_a_leaf(p, leaves)]  # a leaf itself: no split
     targets = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
     names = frozenset(t.lstrip("*") for t in targets)
-    return LiveGuard(model, "symbolic", inlined, (names, dict(concrete), any(t.startswith("**") for t in targets)))
+    return StalenessGuard(model, "symbolic", inlined, (names, dict(concrete), any(t.startswith("**") for t in targets)))
 
 
 def _under_a_leaf(path: str, leaves: set[str]) -> bool:

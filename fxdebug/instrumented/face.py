@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from fxdebug.instrumented.modes import recipe
+from fxdebug.instrumented.snapshot_recipe import recipe
 
 __all__ = ["model_attribute", "model_of"]
 
@@ -70,7 +70,7 @@ def _take_signature(gm: nn.Module, cls: Any) -> None:
     """``inspect.signature(dbg.forward)`` reads as the model's: ``generate`` decides by it what to pass.
 
     An export graph's forward lists only the example inputs; the call itself still goes to the
-    instrumented forward (and a call of another signature to its own capture, see ``recapture``).
+    instrumented forward (and a call of another signature to its own capture, see ``snapshot_cache``).
     """
     try:
         sig = inspect.signature(cls.forward.__get__(gm, cls))

@@ -101,8 +101,8 @@ def _fast_path_now(module: nn.Module, part: Instrumented, inputs: Any) -> bool:
     a nested-tensor input, or a fast-path module traced through in a call where that path applies."""
     if any(isinstance(v, Tensor) and v.is_nested for v in pytree.tree_leaves(inputs)):
         return True
-    live = getattr(part.trace_info, "live", None)
-    checked = [m for _, m in getattr(live, "fast_paths", ())]
+    guard = getattr(part.trace_info, "staleness", None)
+    checked = [m for _, m in getattr(guard, "fast_paths", ())]
     if isinstance(module, _FAST_TYPES):
         checked.append(module)
     return any(would_take_fast_path(m) for m in checked)

@@ -31,7 +31,8 @@ from fxdebug.instrumented.live_state import live_state
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.graph.meta import fx_meta
 from fxdebug.graph.module_state import restore_containers, restore_random_state, saved_containers, saved_random_state
-from fxdebug.instrumented.modes import NAMESPACE, recipe
+from fxdebug.authoring.context import NAMESPACE
+from fxdebug.instrumented.snapshot_recipe import recipe
 from fxdebug.instrumented.verify_values import snapshot
 
 __all__ = ["Verification", "verify"]
@@ -123,9 +124,9 @@ def _namespaces(dbg: Any) -> list[nn.Module]:
         if space is not None:
             found[id(space)] = space
         rec = recipe(part)
-        for capture in (rec.captures if rec is not None else ()):
-            if capture.space is not None:
-                found[id(capture.space)] = capture.space
+        for snap in (rec.snapshots if rec is not None else ()):
+            if snap.space is not None:
+                found[id(snap.space)] = snap.space
     return list(found.values())
 
 

@@ -28,7 +28,7 @@ from fxdebug.authoring.context import bind_inputs, preserved_state
 from fxdebug.errors import ArgumentTypeError, MissingInputsError
 from fxdebug.graph.meta import is_instrumentation, module_path, op_label, source_line
 from fxdebug.instrumented.live import LiveInstrumented
-from fxdebug.instrumented.modes import recipe
+from fxdebug.instrumented.snapshot_recipe import recipe
 from fxdebug.graph.select import Where, matches
 from fxdebug.capture.symbolic import normalize_inputs
 

@@ -1,9 +1,12 @@
-"""A per-call guard for the explicit frontends: the model a graph was captured from is still that model.
+"""Staleness of a snapshot graph: the model a symbolic, export or subtrees graph was captured from is still that model.
+
+(Not the live Dynamo capture, ``fxdebug.instrumented.live``: this module is for the snapshot frontends.)
 
 A symbolic, export or subtrees capture is a graph of the model *as it was*. Users keep changing
-the model afterwards; most changes the graph follows by construction (weights, buffers, a hook
-on a module the graph calls as a module, the training flags of submodules: ``modes.py``), but a
-few make the graph stale, silently:
+the model afterwards. Most changes the graph follows by construction (weights, buffers, a hook on a
+module the graph calls as a module); some the snapshot cache follows by capturing again (training
+flags, attribute values forward read, torch's grad mode, export call signatures:
+``fxdebug.instrumented.snapshot_cache``); a few make the graph stale, silently, and are checked here:
 
 * a submodule replaced (``model.fc = nn.Linear(...)``) or added: the graph runs the old one;
 * a hook registered on a module the graph inlined (its forward was traced through): it never runs;
@@ -16,9 +19,10 @@ few make the graph stale, silently:
   argument pinned to ``None`` while tracing: torch.fx raises a bare ``AssertionError`` or
   ``TypeError``.
 
-``LiveGuard.check`` runs before every call. Its fast path is two integer comparisons and one
-walk over the model's child dictionaries (identity only); the hook check runs only when torch's
-hook-handle counter moved since the last call. What follows by itself (the root flag, the backward
+``StalenessGuard.check`` runs before every call, inside the snapshot cache's one check
+(``snapshot_cache.check_call``). Its fast path is two integer comparisons and one walk over the
+model's child dictionaries (identity only); the hook check runs only when torch's hook-handle
+counter moved since the last call. What follows by itself (the root flag, the backward
 hook flag) is followed; what cannot be followed raises a ``TraceError`` that names the change and
 says what to do (instrument again, or ``frontend="auto"``, whose Dynamo guards capture again).
 """
@@ -35,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from fxdebug.capture.faithful_reads import would_take_fast_path
 from fxdebug.errors import TraceError
 
-__all__ = ["LiveGuard", "check_live"]
+__all__ = ["StalenessGuard", "global_hook_count"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -45,11 +49,11 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_
 _GLOBAL_DICTS = [getattr(_torch_module, name) for name in _GLOBAL_HOOKS if hasattr(_torch_module, name)]
 
 
-def _global_hook_count() -> int:
+def global_hook_count() -> int:
     return sum(map(len, _GLOBAL_DICTS))  # torch mutates these dicts in place: the objects stay
 
 
-class LiveGuard:
+class StalenessGuard:
     """What a capture assumed about the model; ``check`` before each call of the instrumented module.
 
     Args:
@@ -71,7 +75,7 @@ class LiveGuard:
                        if m._modules]
         self._inlined = [(m, paths.get(id(m), "?")) for m in _unique(inlined) if m is not model]
         self._handles = RemovableHandle.next_id
-        self._globals = _global_hook_count()
+        self._globals = global_hook_count()
         self._training = model.training
         self.signature = signature
         # (path, module) whose fused fast path the trace passed over (faithful_reads.fast_path_modules)
@@ -81,8 +85,8 @@ class LiveGuard:
         self.tensor_attrs: list[tuple[nn.Module, str, nn.Module, str]] = []
 
     # -- copying: a copy of the instrumented module is not the model's any more --------------------
-    def __deepcopy__(self, memo: dict[int, Any]) -> "LiveGuard":
-        inert = LiveGuard.__new__(LiveGuard)
+    def __deepcopy__(self, memo: dict[int, Any]) -> "StalenessGuard":
+        inert = StalenessGuard.__new__(StalenessGuard)
         inert.__dict__.update(self.__dict__, model=None)
         return inert
 
@@ -110,7 +114,7 @@ class LiveGuard:
         if RemovableHandle.next_id != self._handles:  # a hook (of any kind) was registered since
             self._check_hooks(model)
             self._handles = RemovableHandle.next_id
-        if _global_hook_count() > self._globals:
+        if global_hook_count() > self._globals:
             raise TraceError(
                 f"a global module hook (torch.nn.modules.module.register_module_forward_hook and kin) was registered "
                 f"after {type(model).__name__} was captured by frontend='{self.frontend}'; the graph traced through "
@@ -180,9 +184,9 @@ class LiveGuard:
         model = self.model
         if model is None or model is gm:
             return
-        state = gm.__dict__.get("_fxdebug_live_root")
+        state = gm.__dict__.get("_fxdebug_followed_root")
         if state is None:  # the first guard seen is the user's model; captures for other modes are copies
-            state = gm.__dict__["_fxdebug_live_root"] = _Root(model, self._training)
+            state = gm.__dict__["_fxdebug_followed_root"] = _Root(model, self._training)
         root = state.model
         if root is None:
             return
@@ -226,15 +230,3 @@ def _short(value: Any) -> str:
         return repr(value)
     shape = getattr(value, "shape", None)
     return f"a {type(value).__name__}{tuple(shape) if shape is not None else ''}"
-
-
-def check_live(gm: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Before a call of ``gm``: follow the model's root flags and refuse a stale graph (see above)."""
-    meta = gm.__dict__.get("meta")
-    info = meta.get("fxdebug") if meta is not None else None
-    trace = info.get("trace") if type(info) is dict else getattr(info, "trace", None)  # GraphRecord: an attribute
-    guard = getattr(trace, "live", None)
-    if guard is None:
-        return
-    guard.follow(gm)
-    guard.check(gm, args, kwargs)
