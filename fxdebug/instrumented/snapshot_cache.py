@@ -3,9 +3,9 @@
 A symbolic, export or subtrees module is a snapshot of the model (``snapshot_recipe``). Before each
 call ``check_call``:
 
-1. runs the capture's ``StalenessGuard`` (``fxdebug.capture.staleness``): the module tree, hooks and
-   symbolic call signature the graph assumed; it follows the root's own flags and refuses what
-   cannot be followed;
+1. runs the current snapshot's ``StalenessGuard`` (``fxdebug.capture.staleness``): the module tree,
+   hooks and symbolic call signature the graph assumed; it follows the root's own flags and refuses
+   what cannot be followed (after a switch in step 3, the new snapshot's guard runs too);
 2. export: compares the call's signature (arity, keyword names, Python values, container
    structure; shapes too where the capture could not be made dynamic) with the example inputs'.
    A call of another signature runs a capture of its own, made once per signature by the same
@@ -73,6 +73,9 @@ def check_call(gm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Mod
         snap = rec.current
         if not (flags == snap.flags and snap.holds()):
             _switch(gm, rec, flags)
+    guard = rec.current.staleness
+    if guard is not None and guard is not snap.staleness:  # the graph switched to holds its own assumptions
+        guard.check(gm, args, kwargs)
     return None
 
 
