@@ -30,18 +30,21 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fxdebug import UsageError
 from fxdebug.integrations._session import Session, SessionCallback, check_options
 
-try:
+if TYPE_CHECKING:  # typed against one spelling (Any when Lightning is not installed: mypy passes either way)
     from lightning.pytorch.callbacks import Callback
-except ImportError:
+else:
     try:
-        from pytorch_lightning.callbacks import Callback  # type: ignore[assignment]
-    except ImportError as _exc:
-        raise ImportError("fxdebug.integrations.lightning needs Lightning: pip install 'fxdebug[lightning]'.") from _exc
+        from lightning.pytorch.callbacks import Callback
+    except ImportError:
+        try:
+            from pytorch_lightning.callbacks import Callback
+        except ImportError as _exc:
+            raise ImportError("fxdebug.integrations.lightning needs Lightning: pip install 'fxdebug[lightning]'.") from _exc
 
 __all__ = ["FxDebugCallback"]
 
