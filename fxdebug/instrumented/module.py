@@ -19,7 +19,6 @@ the parts, so no caller needs to know which frontend made the module. The entry 
 from __future__ import annotations
 
 import copy
-import gc
 import time
 import warnings
 from collections import OrderedDict
@@ -32,6 +31,7 @@ from torch.fx.graph import _PyTreeCodeGen
 
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.graph.diagnose import locate_failure, op_failure
+from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.capture.eager_origin import explain_eager_origin
 from fxdebug.capture.live import check_live
 from fxdebug.errors import ArgumentTypeError, FxDebugError
@@ -317,13 +317,8 @@ def _generate_code(gm: Instrumented) -> Any:
     gm.__dict__["_fxdebug_stale_code"] = False
     cls = type(gm)
     own = vars(cls).get("forward")
-    collecting = gc.isenabled()
-    gc.disable()  # code generation allocates per node and frees nothing: no collector sweeps meanwhile
-    try:
+    with paused_gc():  # code generation allocates per node and frees nothing: no collector sweeps meanwhile
         code = GraphModule.recompile(gm)
-    finally:
-        if collecting:
-            gc.enable()
     cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
     if own is not None and own is not Instrumented._lazy_forward:
         cls.forward = own  # a subclass's own forward (the subtrees' eager root) stays

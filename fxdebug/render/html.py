@@ -19,7 +19,6 @@ in the data as hidden nodes, so the node count the page shows is the graph's.
 
 from __future__ import annotations
 
-import gc
 import html
 import json
 import math
@@ -28,6 +27,7 @@ from importlib import resources
 from typing import Any
 
 from fxdebug.errors import UsageError
+from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.render.fold import fold_asserts, fold_params, focus_paths, place_plumbing, repeat_runs
 from fxdebug.render.view import GraphView, VisNode
 
@@ -210,13 +210,8 @@ def _script(text: str) -> str:
 
 def viewer_html(view: GraphView, diff: Any = None) -> str:
     """The whole page for ``view`` as one string."""
-    collecting = gc.isenabled()
-    gc.disable()  # building 100k small dicts would trigger full collections over the whole graph, again and again
-    try:
+    with paused_gc():  # building 100k small dicts would trigger full collections over the whole graph, again and again
         data = json.dumps(html_data(view, diff), separators=(",", ":"), allow_nan=False)
-    finally:
-        if collecting:
-            gc.enable()
     parts = {
         "TITLE": html.escape(view.model_type), "CSS": _asset("viewer.css"),
         "LICENCE": html.escape(_asset("dagre-LICENSE")), "DATA": data.replace("</", "<\\/"),
