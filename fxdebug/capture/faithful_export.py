@@ -31,6 +31,7 @@ from torch import nn
 from torch.fx import Graph
 
 from fxdebug.errors import TraceError
+from fxdebug.graph.module_sharing import CALL_HOOKS
 from fxdebug.capture.faithful import (
     attribute_reads,
     caller_location,
@@ -42,16 +43,13 @@ from fxdebug.capture.faithful_reads import TORCH, draws, fast_path_modules, seed
 
 __all__ = ["ExportWatch", "export_shell", "watched_export"]
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
-
 
 def export_shell(model: nn.Module) -> nn.Module:
     """``model`` without its own call hooks (same children, parameters and buffers), for exporting."""
     if not has_call_hooks(model):
         return model
     shell = copy.copy(model)
-    for name in _HOOK_DICTS:
+    for name in CALL_HOOKS:
         if name in model.__dict__:
             object.__setattr__(shell, name, OrderedDict())
     return shell

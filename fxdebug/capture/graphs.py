@@ -20,6 +20,7 @@ from fxdebug.capture.export import capture_export
 from fxdebug.capture.symbolic import capture_symbolic
 from fxdebug.capture.trace_info import TraceInfo
 from fxdebug.graph.edits import NAMESPACE
+from fxdebug.graph.module_sharing import share_root_state
 
 __all__ = ["ExportFrontend", "SymbolicFrontend", "graph_module", "single_part"]
 
@@ -69,10 +70,7 @@ def single_part(model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.M
     root._modules = OrderedDict(model._modules)
     if namespace is not None:
         root._modules[NAMESPACE] = namespace
-    root._parameters = model._parameters
-    root._buffers = model._buffers
-    root._non_persistent_buffers_set = model._non_persistent_buffers_set
-    root.training = model.training
+    share_root_state(root, model)
     # lazy: its Python is generated only if the part itself is called (the Instrumented module built
     # from this graph generates its own); generating it here cost ~0.05 ms per node
     gm = graph_module(_LazyGraphModule, root, graph, type(model).__name__)

@@ -38,6 +38,7 @@ from fxdebug.capture.symbolic import TraceInfo
 from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
+from fxdebug.graph.module_sharing import share_root_state
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
@@ -81,10 +82,7 @@ class LiveInstrumented(Instrumented):
         object.__setattr__(gm, "_model", model)
         # the model's own dictionaries: what is replaced on the model is replaced here
         gm._modules = model._modules
-        gm._parameters = model._parameters
-        gm._buffers = model._buffers
-        gm._non_persistent_buffers_set = model._non_persistent_buffers_set
-        gm.training = model.training
+        share_root_state(gm, model)
         info = TraceInfo(frontend="dynamo")
         info.notes.extend(notes)
         gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)

@@ -29,13 +29,12 @@ from torch.fx import GraphModule
 from fxdebug.authoring.pipeline import Pass
 from fxdebug.capture.base import TraceOptions
 from fxdebug.errors import PassError, TraceError, UsageError
+from fxdebug.graph.edits import NAMESPACE
 from fxdebug.graph.meta import graph_record
 from fxdebug.graph.inputs import normalize_inputs
 from fxdebug.report.report import Report
 
 __all__ = ["live_to_module", "refuse_tracing"]
-
-NAMESPACE = "fxdebug"
 
 
 def live_to_module(model: nn.Module, passes: Sequence[Pass], prior: Report | None, example_inputs: Any,

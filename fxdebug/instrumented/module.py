@@ -32,6 +32,7 @@ from torch.fx.graph import _PyTreeCodeGen
 from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.gc_pause import paused_gc
+from fxdebug.graph.module_sharing import CALL_HOOKS, share_root_state
 from fxdebug.capture.eager_origin import explain_eager_origin
 from fxdebug.capture.live import check_live
 from fxdebug.errors import ArgumentTypeError, FxDebugError
@@ -353,22 +354,12 @@ def _adopt_hierarchy(gm: GraphModule, model: nn.Module) -> None:
     gm._modules = OrderedDict(model._modules)
     if ours is not None and NAMESPACE not in gm._modules:
         gm._modules[NAMESPACE] = ours
-    # The root's own parameter and buffer dicts are shared, not copied: model.to(device) replaces
-    # Parameter objects in place in that dict, and the instrumented module must see the new ones.
-    # fxdebug registers nothing at the root (its state lives under the namespace), so sharing is safe.
-    gm._parameters = model._parameters
-    gm._buffers = model._buffers
-    gm._non_persistent_buffers_set = model._non_persistent_buffers_set
-    gm.training = model.training
+    share_root_state(gm, model)
     # The root's own hooks are the model's (same dicts): a graph holds the forward only, and the
     # model's forward/backward hooks and pre-hooks run around it at every call, as around the model.
-    for name in _ROOT_HOOKS:
+    for name in CALL_HOOKS:
         if name in model.__dict__:
             object.__setattr__(gm, name, model.__dict__[name])
-
-
-_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any],

@@ -31,11 +31,10 @@ from torch import nn
 from torch.fx import Graph, GraphModule, Node
 
 from fxdebug.capture.inplace_proxy import writes_in_place
+from fxdebug.graph.edits import NAMESPACE
 from fxdebug.graph.meta import is_instrumentation, node_meta
 
 __all__ = ["to_module"]
-
-NAMESPACE = "fxdebug"
 
 
 class _Parted(Protocol):

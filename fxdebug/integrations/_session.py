@@ -33,6 +33,7 @@ from typing import Any, Iterator, Sequence
 
 import fxdebug
 from fxdebug import FxDebugError, Report, UsageError
+from fxdebug.graph.module_sharing import CALL_HOOKS
 
 __all__ = ["ON_NONFINITE", "Session", "check_options"]
 
@@ -54,10 +55,6 @@ def default_passes() -> list[Any]:
     return [NaNCheck(), StatCollector()]
 
 
-_ROOT_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
-
-
 @contextlib.contextmanager
 def _without_root_hooks(dbg: Any, model: Any) -> Iterator[None]:
     """The instrumented module shares the model's root hook dicts (so that a bare ``dbg(x)`` runs
@@ -65,7 +62,7 @@ def _without_root_hooks(dbg: Any, model: Any) -> Iterator[None]:
     they have already run: empty them for this call. Emptied in place and refilled (the same dict
     objects: Dynamo's hook guards see one state, an empty one, at every routed call)."""
     hidden = {}
-    for name in _ROOT_HOOKS:
+    for name in CALL_HOOKS:
         own = model.__dict__.get(name)
         if own is not None and len(own):
             hidden[name] = OrderedDict(own)

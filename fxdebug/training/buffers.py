@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from fxdebug.graph.edits import NAMESPACE
 from fxdebug.runtime import kernel
 from fxdebug.training.restore import _copies_on_device, _copy_if, _native_copies, _on
 
@@ -34,14 +35,13 @@ __all__ = ["BufferPlan", "model_buffers"]
 
 _CPU = torch.device("cpu")
 _GET: Any = dict.get  # (typed Any: map() over dict.get's overloads)
-_NAMESPACE = "fxdebug"  # fxdebug's own modules on an instrumented model: its observer state is not the model's
 
 
 def model_buffers(model: nn.Module) -> list[tuple[dict[str, Any], str]]:
     """``(module._buffers, name)`` of every non-empty buffer of ``model`` (fxdebug's own left out)."""
     slots: list[tuple[dict[str, Any], str]] = []
     for path, module in model.named_modules():
-        if path == _NAMESPACE or path.startswith(_NAMESPACE + "."):
+        if path == NAMESPACE or path.startswith(NAMESPACE + "."):  # fxdebug's own modules: not the model's state
             continue
         for name, value in module._buffers.items():
             if isinstance(value, Tensor) and value.numel() > 0 and value.device.type != "meta":
