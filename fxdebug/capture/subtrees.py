@@ -11,7 +11,7 @@ The result is data: ``Capture(parts=[Part(path, graph_module, inputs, root_path,
 with ``info`` saying which fraction of parameters and of executed aten ops sits under
 instrumentation, which modules stayed eager and why, and ``extras["part_flow"]`` how the parts'
 tensors flow into each other. The module (an eager root routing to its parts) is built one floor
-up, in ``fxdebug.instrumented.subtrees``.
+up, in ``fxdebug.instrumented.subtree_module``.
 """
 
 from __future__ import annotations

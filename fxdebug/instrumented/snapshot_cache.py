@@ -96,8 +96,9 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: bool =
 
     ``shapes=True`` adds every tensor's shape, for captures that could not be made dynamic.
     """
-    return (tuple(_kind(a, shapes) for a in args),
-            tuple(sorted((k, _kind(v, shapes)) for k, v in kwargs.items())))
+    kind = _kind  # read per export call: lists, not generators (no frame per item); no sort without keywords
+    return (tuple([kind(a, shapes) for a in args]),
+            tuple(sorted([(k, kind(v, shapes)) for k, v in kwargs.items()])) if kwargs else ())
 
 
 def _dynamic(gm: nn.Module) -> bool:
