@@ -17,7 +17,7 @@ def test_views_are_skipped_by_default_and_observed_on_request():
     model, inputs = ZOO["transformer_block"]()
     default = fxdebug.instrument(model, [StatCollector()], example_inputs=inputs)
     watched = {r["node"] for r in default.report().rows}
-    views = [n.name for part in default.parts().values() for n in part.graph.nodes if fxdebug.is_view(n)]
+    views = [n.name for part in default.parts().values() for n in part.graph.nodes if fxdebug.authoring.is_view(n)]
     assert views and not watched & set(views)
     everything = fxdebug.instrument(model, [StatCollector(views=True), NaNCheck(views=True)], example_inputs=inputs)
     everything(*inputs)
@@ -51,11 +51,11 @@ def test_large_tensors_are_read_whole_in_one_fused_pass(shape):
 
 def test_sample_is_a_view_spread_over_the_whole_tensor():
     x = torch.arange(4 * 256 * 1024, dtype=torch.float32).view(4, 256, 1024)
-    sample = fxdebug.systematic_sample(x)
-    assert sample.numel() == fxdebug.SAMPLE and sample.data_ptr() == x.data_ptr()
+    sample = fxdebug.authoring.systematic_sample(x)
+    assert sample.numel() == fxdebug.authoring.SAMPLE and sample.data_ptr() == x.data_ptr()
     assert float(sample.min()) == 0 and float(sample.max()) > 0.95 * x.numel()
     small = torch.randn(10, 10)
-    assert fxdebug.systematic_sample(small) is small
+    assert fxdebug.authoring.systematic_sample(small) is small
 
 
 class Cancels(nn.Module):

@@ -51,14 +51,14 @@ def test_guards_only_where_devices_could_mix_and_where():
     model, inputs = ZOO["functional_ops"]()
     dbg = fxdebug.instrument(model, [DeviceCheck()], example_inputs=inputs)
     graphs = [part.graph for part in dbg.parts().values()]
-    guarded = {fxdebug.fx_meta(n)["observes"] for g in graphs for n in g.nodes
-               if n.op == "call_function" and fxdebug.fx_meta(n).get("probes") == ["device-check"]}
+    guarded = {fxdebug.authoring.fx_meta(n)["observes"] for g in graphs for n in g.nodes
+               if n.op == "call_function" and fxdebug.authoring.fx_meta(n).get("probes") == ["device-check"]}
     assert guarded == {"conv", "cat", "fc"}  # one tensor input and no parameters cannot mix devices
     for g in graphs:
         g.lint()
     only = fxdebug.instrument(model, [DeviceCheck(where="fc")], example_inputs=inputs)
-    assert {fxdebug.fx_meta(n).get("observes") for part in only.parts().values() for n in part.graph.nodes
-            if fxdebug.is_instrumentation(n)} == {"fc"}
+    assert {fxdebug.authoring.fx_meta(n).get("observes") for part in only.parts().values() for n in part.graph.nodes
+            if fxdebug.authoring.is_instrumentation(n)} == {"fc"}
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))

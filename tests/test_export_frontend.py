@@ -204,13 +204,13 @@ def test_aten_ops_are_classified() -> None:
     model(x)
     gm = fxdebug.trace(model.eval(), (x,), frontend="export")
     kinds = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
-    assert [n for n in kinds.values() if fxdebug.is_conv(n)][0].target == torch.ops.aten.conv2d.default
-    assert any(fxdebug.is_batchnorm(n) for n in kinds.values())
-    assert any(fxdebug.is_relu(n) for n in kinds.values())
-    assert any(fxdebug.is_linear(n) for n in kinds.values())
-    relu = next(n for n in kinds.values() if fxdebug.is_relu(n))
-    assert fxdebug.module_path(relu) == "2"
-    assert fxdebug.is_inplace(relu) == (relu.target == torch.ops.aten.relu_.default)
+    assert [n for n in kinds.values() if fxdebug.authoring.is_conv(n)][0].target == torch.ops.aten.conv2d.default
+    assert any(fxdebug.authoring.is_batchnorm(n) for n in kinds.values())
+    assert any(fxdebug.authoring.is_relu(n) for n in kinds.values())
+    assert any(fxdebug.authoring.is_linear(n) for n in kinds.values())
+    relu = next(n for n in kinds.values() if fxdebug.authoring.is_relu(n))
+    assert fxdebug.authoring.module_path(relu) == "2"
+    assert fxdebug.authoring.is_inplace(relu) == (relu.target == torch.ops.aten.relu_.default)
 
 
 def test_dimensions_the_model_allows_vary_and_a_fixed_one_is_named() -> None:

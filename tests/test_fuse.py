@@ -42,13 +42,13 @@ def test_conv_and_transpose_fuse_exactly_enough(layer, dim):
     x = torch.randn(2, layer.in_channels, *([5] * dim))
     state = copy.deepcopy(model.state_dict())
     dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
-    assert not any(fxdebug.is_batchnorm(n, dbg) for n in dbg.graph.nodes)
+    assert not any(fxdebug.authoring.is_batchnorm(n, dbg) for n in dbg.graph.nodes)
     with torch.no_grad():
         torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
     fused = next(n for n in dbg.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms)
     info = fxdebug.authoring.node_meta(fused).transforms["fuse"]
     assert info["from"] == ["_0", "_1"] and info["max_abs_diff"] < 1e-5
-    assert fxdebug.fx_meta(fused)["changed_by"] == ["fuse"] and fxdebug.fx_meta(fused)["module"] == "1"
+    assert fxdebug.authoring.fx_meta(fused)["changed_by"] == ["fuse"] and fxdebug.authoring.fx_meta(fused)["module"] == "1"
     assert str(fused.target).startswith("fxdebug.")
     new = dbg.get_submodule(str(fused.target))
     assert new.weight.data_ptr() != layer.weight.data_ptr()
@@ -177,7 +177,7 @@ def test_export_graphs_are_fused_too():
     assert dbg.trace_info.frontend == "export"
     fused = [n for n in dbg.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms]
     assert [fxdebug.authoring.node_meta(n).stands_for for n in fused] == ["0", "4"]
-    assert not [n for n in dbg.graph.nodes if fxdebug.is_batchnorm(n, dbg)]
+    assert not [n for n in dbg.graph.nodes if fxdebug.authoring.is_batchnorm(n, dbg)]
     dbg.graph.lint()
     torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dbg.to_module()(x), model(x), atol=1e-5, rtol=1e-5)

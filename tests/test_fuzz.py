@@ -38,7 +38,7 @@ if os.environ.get("FXDEBUG_FUZZ_STATS"):
 
 
 # -- a small observe-only pass of our own, so the properties hold without the pass library ------
-class SumProbe(fxdebug.Probe):
+class SumProbe(fxdebug.authoring.Probe):
     """Counts calls and sums values, in float64, forward and backward."""
 
     key = "fuzz-sum"
@@ -48,7 +48,7 @@ class SumProbe(fxdebug.Probe):
         return {"sum": torch.zeros((), dtype=torch.float64, device=x.device),
                 "n": torch.zeros((), dtype=torch.int64, device=x.device)}
 
-    def update(self, state: dict[str, Tensor], r: fxdebug.Reductions, ctx: fxdebug.ObservationContext) -> None:
+    def update(self, state: dict[str, Tensor], r: fxdebug.authoring.Reductions, ctx: fxdebug.authoring.ObservationContext) -> None:
         state["sum"] += r["sum"].to(torch.float64)
         state["n"] += 1
 
@@ -203,8 +203,8 @@ def test_instrumenting_twice_composes(spec: ModelSpec) -> None:
     once = fxdebug.instrument(model, passes=[WatchAll()], example_inputs=(x,))
     twice = fxdebug.instrument(once, passes=[WatchAll()], example_inputs=(x,))
     assert len(twice.observers()) == len(once.observers())
-    assert sum(1 for n in twice.graph.nodes if fxdebug.is_instrumentation(n)) == \
-        sum(1 for n in once.graph.nodes if fxdebug.is_instrumentation(n))
+    assert sum(1 for n in twice.graph.nodes if fxdebug.authoring.is_instrumentation(n)) == \
+        sum(1 for n in once.graph.nodes if fxdebug.authoring.is_instrumentation(n))
     with torch.no_grad():
         assert_outputs_equal(twice(x), model(x))
     assert twice.report().calls == 1 and once.report().calls == 0
@@ -278,7 +278,7 @@ def test_swap_activation_equals_a_hand_made_leaky_copy(spec: ModelSpec, train: b
     before = snapshot(model)
     dbg = fxdebug.instrument(model, passes=[swap], example_inputs=(spec.example(),))
     assert_same_state(before, snapshot(model))
-    assert not any(fxdebug.is_relu(n, dbg) for n in dbg.graph.nodes), "a ReLU form was not swapped"
+    assert not any(fxdebug.authoring.is_relu(n, dbg) for n in dbg.graph.nodes), "a ReLU form was not swapped"
     _compare_run(dbg, leaky, spec.example(), spec.seed)
     assert_same_values(model, leaky)
     STATS["relus_swapped"] += sum(op in RELU_FORMS for op in spec.ops())

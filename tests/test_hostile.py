@@ -142,7 +142,7 @@ def test_instrumenting_an_instrumented_module_composes() -> None:
     first = fxdebug.instrument(model, passes=[StatCollector()], example_inputs=(X,))
     second = fxdebug.instrument(first, passes=[StatCollector(), NaNCheck()], example_inputs=(X,))
     watched = [a.name for part in second.parts().values() for n in part.graph.nodes
-               if fxdebug.fx_meta(n).get("role") == "instrumentation"
+               if fxdebug.authoring.fx_meta(n).get("role") == "instrumentation"
                for a in (n.args[0] if isinstance(n.args[0], (list, tuple)) else [n.args[0]])]  # batched calls hold several
     assert len(watched) == len(set(watched)) == len(second.observers())  # one observer per node
     assert all(sorted(o.probes) == ["nan-check", "stats"] for k, o in second.observers().items() if k in first.observers())

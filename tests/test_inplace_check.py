@@ -84,7 +84,7 @@ def test_sigmoid_mul_named_before_backward():
     assert [(f.saved_by, f.modified_by, f.tensor) for f in check.findings] == [("sigmoid", "mul_", "its output")]
     finding = check.findings[0]
     assert "torch.sigmoid(self.fc(x))" in finding.saved_by_line and "y.mul_(2)" in finding.modified_by_line
-    guards = [n for g in graphs for n in g.nodes if fxdebug.fx_meta(n).get("role") == "guard"]
+    guards = [n for g in graphs for n in g.nodes if fxdebug.authoring.fx_meta(n).get("role") == "guard"]
     assert len(guards) == 1 and guards[0].next.name == "mul_"
     with pytest.raises(fxdebug.InplaceError) as info:
         dbg(x)
@@ -125,7 +125,7 @@ def test_relu_inplace_after_conv_is_fine():
     check = InplaceCheck()
     dbg = fxdebug.instrument(model, [check], example_inputs=(x,))
     assert check.findings == []
-    assert dbg.parts() and not any(fxdebug.fx_meta(n).get("role") == "guard"
+    assert dbg.parts() and not any(fxdebug.authoring.fx_meta(n).get("role") == "guard"
                                    for part in dbg.parts().values() for n in part.graph.nodes)
     y = dbg(x)
     assert torch.equal(y, model(x))

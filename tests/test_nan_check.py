@@ -52,7 +52,7 @@ def _insert(dbg: fxdebug.Instrumented, node, fn, *, include_observer: bool):
     with dbg.graph.inserting_after(node):
         new = dbg.graph.call_function(fn, (node,))
     def watches(u) -> bool:  # an observation of `node`: its own op call, or a batched call holding it
-        meta = fxdebug.fx_meta(u)
+        meta = fxdebug.authoring.fx_meta(u)
         return meta.get("observes") == node.name or any(o == node.name for o, _ in meta.get("batch", ()))
 
     node.replace_all_uses_with(new, delete_user_cb=lambda u: u is not new and (include_observer or not watches(u)))
@@ -102,7 +102,7 @@ def test_backward_origin_is_each_injected_node(name):
     # In-place nodes such as `h.relu_()` whose value is read through `h` have no users of their
     # own: an injection after them would change nothing, so they are not targets.
     with_grads = [r["node"] for r in clean.rows if r.get("grad_nonfinite_calls") == 0
-                  and any(not fxdebug.is_instrumentation(u) for u in nodes[r["node"]].users)]
+                  and any(not fxdebug.authoring.is_instrumentation(u) for u in nodes[r["node"]].users)]
     assert len(with_grads) >= 3
     for target in with_grads:
         dbg.reset()

@@ -32,7 +32,7 @@ def test_instrumented_nodes_carry_shapes_and_statistics():
     dbg(x)
     report = dbg.report()
     g = fxdebug.to_networkx(dbg)
-    observers = [n.name for part in dbg.parts().values() for n in part.graph.nodes if fxdebug.is_instrumentation(n)]
+    observers = [n.name for part in dbg.parts().values() for n in part.graph.nodes if fxdebug.authoring.is_instrumentation(n)]
     assert observers and not set(observers) & set(g.nodes)  # folded into the nodes they watch
     for row in report.rows:
         attrs = g.nodes[row["node"]]

@@ -13,7 +13,7 @@ from zoo import ZOO
 
 
 def _picked(gm, where):
-    return [n.name for n in gm.graph.nodes if n.op != "placeholder" and fxdebug.matches(where, n)]
+    return [n.name for n in gm.graph.nodes if n.op != "placeholder" and fxdebug.authoring.matches(where, n)]
 
 
 def test_outputs_of_selects_what_leaves_the_module():
@@ -96,7 +96,7 @@ def test_every_builtin_pass_accepts_outputs_of(name):
     if name in OBSERVERS or name in ("Breakpoint", "GradientScale"):
         torch.testing.assert_close(y, model(x))
     graph_nodes = [n for part in dbg.parts().values() for n in part.graph.nodes]
-    touched = {fxdebug.fx_meta(n).get("observes") or fxdebug.authoring.node_meta(n).transforms.get("gradient-scale", {}).get("scales") for n in graph_nodes}
+    touched = {fxdebug.authoring.fx_meta(n).get("observes") or fxdebug.authoring.node_meta(n).transforms.get("gradient-scale", {}).get("scales") for n in graph_nodes}
     if name in ("StatCollector", "NaNCheck", "Histograms", "Shadow"):
         rows = dbg.report().rows  # each block's output: its last relu (`relu`, `relu_1`; Dynamo: `layer1_0`, ...)
         assert sorted((r["module"], r["op"].rsplit(".", 1)[-1]) for r in rows) == [("layer1.0", "relu"),
@@ -113,5 +113,5 @@ def test_every_builtin_pass_accepts_outputs_of(name):
         rows = [r for r in dbg.report().rows if r.get("update_norm") is not None]
         assert rows and all(r["module"].startswith("layer1.") for r in rows)
     if name == "SwapActivation":
-        swapped = [n for n in graph_nodes if "swap" in str(fxdebug.fx_meta(n).get("changed_by", ""))]
-        assert swapped and all(fxdebug.module_path(n).startswith("layer1.") for n in swapped)
+        swapped = [n for n in graph_nodes if "swap" in str(fxdebug.authoring.fx_meta(n).get("changed_by", ""))]
+        assert swapped and all(fxdebug.authoring.module_path(n).startswith("layer1.") for n in swapped)

@@ -57,8 +57,8 @@ def test_custom_pass_through_instrument_counts_and_provenance():
     result = dbg.pass_results[0]
     assert result.pass_name == "zero-count" and len(result.added) == len(observed)
     obs_nodes = [n for part in dbg.parts().values() for n in part.graph.nodes
-                 if fxdebug.fx_meta(n).get("role") == "instrumentation"]
-    assert {fxdebug.fx_meta(n)["added_by"] for n in obs_nodes} == {"zero-count"}
+                 if fxdebug.authoring.fx_meta(n).get("role") == "instrumentation"]
+    assert {fxdebug.authoring.fx_meta(n)["added_by"] for n in obs_nodes} == {"zero-count"}
 
 
 def _load_zero_count():
@@ -133,7 +133,7 @@ def test_pass_list_validation():
 def test_node_pass_records_replacements():
     @fxdebug.node_pass(name="tanh-to-hardtanh")
     def swap(node, ctx):
-        if node.op == "call_module" and isinstance(fxdebug.get_module(node.graph.owning_module, node), nn.Tanh):
+        if node.op == "call_module" and isinstance(fxdebug.authoring.get_module(node.graph.owning_module, node), nn.Tanh):
             return ctx.replace_with_module(node, nn.Hardtanh())
         return None
 
@@ -142,8 +142,8 @@ def test_node_pass_records_replacements():
     result = dbg.pass_results[0]
     assert list(result.replaced) == ["block_1", "block_3"]  # the shared block is called twice
     new = next(n for n in dbg.graph.nodes if n.name == result.replaced["block_1"])
-    assert fxdebug.fx_meta(new)["changed_by"] == ["tanh-to-hardtanh"]
-    assert fxdebug.fx_meta(new)["module"] == "block.1"
+    assert fxdebug.authoring.fx_meta(new)["changed_by"] == ["tanh-to-hardtanh"]
+    assert fxdebug.authoring.fx_meta(new)["module"] == "block.1"
     assert isinstance(model.block[1], nn.Tanh)  # the model keeps its own module
     expected = model.out(nn.Hardtanh()(model.block[0](nn.Hardtanh()(model.block[0](x)))) + nn.Hardtanh()(model.block[0](x)))
     torch.testing.assert_close(dbg(x), expected)

@@ -119,7 +119,7 @@ def test_in_place_ops_are_never_planned():
     model, inputs = ZOO["inplace_ops"]()
     plan = fxdebug.precision_plan(model, inputs, dtype=torch.bfloat16, tol=1e-4)
     graph = fxdebug.trace(model).graph
-    inplace = {n.name for n in graph.nodes if n.op != "placeholder" and fxdebug.is_inplace(n)}
+    inplace = {n.name for n in graph.nodes if n.op != "placeholder" and fxdebug.authoring.is_inplace(n)}
     assert inplace and not inplace & set(plan.nodes)
     assert plan.error_after <= plan.error_before
 

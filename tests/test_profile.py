@@ -41,7 +41,7 @@ def test_time_columns_per_node_and_reset(tmp_path):
     for r in timed:
         assert abs(r["time_total_ms"] - 3 * r["time_ms"]) < 1e-9 * max(1.0, r["time_total_ms"])
     col = report.column("time_share")
-    assert col is not None and col.has(fxdebug.COLOR)
+    assert col is not None and col.has(fxdebug.authoring.COLOR)
     dbg.reset()
     dbg(x)
     assert dbg.report().row("fc")["time_total_ms"] == dbg.report().row("fc")["time_ms"]  # one call since reset

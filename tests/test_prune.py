@@ -127,7 +127,7 @@ def test_structured_channels_keep_residual_couplings_consistent():
         c = dbg.get_submodule(layer.replace(".", ".")).weight.shape[0]
         assert abs(len(chans[layer]) - 0.5 * c) <= 1
     assert "fc" not in chans  # the classifier's outputs are the model's outputs: kept by default
-    values = fxdebug.node_values(dbg, fxdebug.PassContext((x,)), ["iadd", "iadd_1", "layer1_0_bn1"])
+    values = fxdebug.authoring.node_values(dbg, fxdebug.PassContext((x,)), ["iadd", "iadd_1", "layer1_0_bn1"])
     assert values["iadd"][:, trunk1].abs().max() == 0 and values["iadd_1"][:, trunk1].abs().max() == 0
     assert values["layer1_0_bn1"][:, chans["layer1.0.conv1"]].abs().max() == 0
     assert values["iadd"][:, [c for c in range(8) if c not in trunk1]].abs().max() > 0

@@ -22,14 +22,14 @@ XLINK = "{http://www.w3.org/1999/xlink}"
 
 
 # -- a tiny statistics probe, so these tests do not depend on the pass library -------------------
-class StatsProbe(fxdebug.Probe):
+class StatsProbe(fxdebug.authoring.Probe):
     """Last call's mean/min/max, zero and dead fractions; calls that saw NaN/Inf and the first one."""
 
     key = "test-stats"
-    columns = (fxdebug.Column("dead_frac", roles=fxdebug.COLOR, threshold=0.5, label="dead",
+    columns = (fxdebug.Column("dead_frac", roles=fxdebug.authoring.COLOR, threshold=0.5, label="dead",
                               only=fxdebug.authoring.activation_row),
-               fxdebug.Column("nonfinite_calls", roles=fxdebug.NONFINITE),
-               fxdebug.Column("nonfinite_first_call", roles=(fxdebug.ORIGIN, fxdebug.HIDDEN)))
+               fxdebug.Column("nonfinite_calls", roles=fxdebug.authoring.NONFINITE),
+               fxdebug.Column("nonfinite_first_call", roles=(fxdebug.authoring.ORIGIN, fxdebug.authoring.HIDDEN)))
 
     def init_state(self, x, phase):
         z = torch.zeros((), device=x.device)
@@ -156,7 +156,7 @@ def test_highlights_match_the_findings(sick):
 
 def test_instrumentation_is_folded_unless_asked(sick, tmp_path):
     dbg, report, path = sick
-    observers = [n.name for n in dbg.graph.nodes if fxdebug.is_instrumentation(n)]
+    observers = [n.name for n in dbg.graph.nodes if fxdebug.authoring.is_instrumentation(n)]
     assert observers
     nodes, _ = parse(path)
     assert not set(observers) & set(nodes)
@@ -177,14 +177,14 @@ def test_failed_check_is_highlighted(tmp_path):
     assert nodes["conv"]["fill"] == COLORS["op"]
     # A pass can mark a node itself through the metadata.
     gm = fxdebug.trace(model)
-    fxdebug.fx_meta(next(n for n in gm.graph.nodes if n.name == "view"))["failed"] = "expected (N, 1000)"
+    fxdebug.authoring.fx_meta(next(n for n in gm.graph.nodes if n.name == "view"))["failed"] = "expected (N, 1000)"
     nodes, _ = parse(fxdebug.render(gm, tmp_path / "meta.svg"))
     assert nodes["view"]["fill"] == COLORS["failed"] and "expected (N, 1000)" in nodes["view"]["tooltip"]
 
 
 @fxdebug.node_pass(name="leaky")
 def leaky(node, ctx):
-    if not fxdebug.is_relu(node):
+    if not fxdebug.authoring.is_relu(node):
         return None
     return ctx.replace_with_module(node, nn.LeakyReLU(0.1))
 
@@ -193,7 +193,7 @@ def test_transform_provenance_is_labelled(tmp_path):
     model = Sick()
     x = torch.randn(2, 3, 5, 5)
     gm = fxdebug.instrument(model, [leaky], example_inputs=(x,))
-    changed = [n.name for n in gm.graph.nodes if fxdebug.fx_meta(n).get("changed_by")]
+    changed = [n.name for n in gm.graph.nodes if fxdebug.authoring.fx_meta(n).get("changed_by")]
     assert len(changed) == 1
     nodes, _ = parse(fxdebug.render(gm, tmp_path / "t.svg"))
     node = nodes[changed[0]]
@@ -209,7 +209,7 @@ def test_depth_collapses_the_right_modules(tmp_path):
     groups = sorted(t for t in nodes if t.startswith("module/"))
     assert groups == ["module/layer1", "module/layer2", "module/stem"]
     assert "layer1_0_conv1" not in nodes and "pool" in nodes and "fc" in nodes
-    members = [n.name for n in gm.graph.nodes if fxdebug.module_path(n).split(".")[0] == "layer2"]
+    members = [n.name for n in gm.graph.nodes if fxdebug.authoring.module_path(n).split(".")[0] == "layer2"]
     tip = nodes["module/layer2"]["tooltip"]
     assert all(f"{m} :" in tip for m in members)
     text = " ".join(nodes["module/layer2"]["text"])

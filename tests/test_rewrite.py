@@ -29,11 +29,11 @@ def test_doc_example_runs_and_records_provenance():
     ns = _doc_example()
     dbg = ns["dbg"]
     new = next(n for n in dbg.graph.nodes if n.target is torch.tanh)
-    meta = fxdebug.fx_meta(new)
+    meta = fxdebug.authoring.fx_meta(new)
     assert meta["replaced"] == "torch.sigmoid (sigmoid) + operator.mul (mul) + operator.sub (sub)"
     assert meta["changed_by"] == ["sigmoid-to-tanh"] and meta["rewritten_from"] == ["sigmoid", "mul", "sub"]
     assert "sigmoid" not in {n.name for n in dbg.graph.nodes}
-    assert "y = torch.sigmoid(y) * 2.0 - 1.0" in fxdebug.source_line(new)
+    assert "y = torch.sigmoid(y) * 2.0 - 1.0" in fxdebug.authoring.source_line(new)
     assert dbg.pass_results[0].replaced == {"sub": new.name}
 
 
@@ -43,14 +43,14 @@ CONV_BN = nn.Sequential(nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1))
 def test_module_patterns_match_by_type_in_graph_order():
     model, (x,) = ZOO["residual_cnn"]()
     gm = fxdebug.trace(model, (x,))
-    found = fxdebug.find_pattern(gm, CONV_BN)
+    found = fxdebug.authoring.find_pattern(gm, CONV_BN)
     assert [m.anchor.name for m in found][:3] == ["stem_1", "layer1_0_bn1", "layer1_0_bn2"]
     assert len(found) == 10 and not any(m.blocked for m in found)
     first = found[0]
     assert [n.name for n in first.nodes] == ["stem_0", "stem_1"] and first.inputs[0].name == "x"
     assert first.modules() == [model.stem[0], model.stem[1]]
     assert set(first.roles) == {"_0", "_1"}
-    assert [m.anchor.name for m in fxdebug.find_pattern(gm, CONV_BN, where="layer2.*")][0] == "layer2_0_down_1"
+    assert [m.anchor.name for m in fxdebug.authoring.find_pattern(gm, CONV_BN, where="layer2.*")][0] == "layer2_0_down_1"
 
 
 class Shared(nn.Module):
@@ -66,20 +66,20 @@ class Shared(nn.Module):
 def test_blocked_matches_say_why_and_are_not_replaced():
     x = torch.randn(1, 2, 3, 3)
     gm = fxdebug.trace(Shared(), (x,))
-    (match,) = fxdebug.find_pattern(gm, CONV_BN)
+    (match,) = fxdebug.authoring.find_pattern(gm, CONV_BN)
     assert "feeds 2 users (bn, mul)" in match.blocked
-    assert fxdebug.replace_pattern(gm, CONV_BN, nn.Identity()) == []
+    assert fxdebug.authoring.replace_pattern(gm, CONV_BN, nn.Identity()) == []
 
 
 def test_module_replacement_is_registered_under_fxdebug_and_not_in_the_model():
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3), nn.ReLU())
     x = torch.randn(4, 3)
     gm = fxdebug.trace(model, (x,))
-    done = fxdebug.replace_pattern(gm, nn.Sequential(nn.ReLU()), nn.Tanh())
+    done = fxdebug.authoring.replace_pattern(gm, nn.Sequential(nn.ReLU()), nn.Tanh())
     gm.recompile()
     assert len(done) == 2 and all(str(r.output.target).startswith("fxdebug.") for r in done)
     assert done[0].output is not done[1].output and gm.get_submodule(str(done[0].output.target)) is not gm.get_submodule(str(done[1].output.target))
-    assert all(fxdebug.module_path(r.output) == p for r, p in zip(done, ["1", "3"]))
+    assert all(fxdebug.authoring.module_path(r.output) == p for r, p in zip(done, ["1", "3"]))
     torch.testing.assert_close(gm(x), torch.tanh(model[2](torch.tanh(model[0](x)))))
     assert not hasattr(model, "fxdebug") and all(isinstance(model[i], nn.ReLU) for i in (1, 3))
 
@@ -87,12 +87,12 @@ def test_module_replacement_is_registered_under_fxdebug_and_not_in_the_model():
 def test_build_may_skip_and_arguments_are_checked():
     model, (x,) = ZOO["residual_cnn"]()
     gm = fxdebug.trace(model, (x,))
-    done = fxdebug.replace_pattern(gm, CONV_BN, build=lambda m: nn.Identity() if m.anchor.name == "stem_1" else None)
+    done = fxdebug.authoring.replace_pattern(gm, CONV_BN, build=lambda m: nn.Identity() if m.anchor.name == "stem_1" else None)
     assert [r.match.anchor.name for r in done] == ["stem_1"]
     with pytest.raises(fxdebug.UsageError, match="exactly one"):
-        fxdebug.replace_pattern(gm, CONV_BN)
+        fxdebug.authoring.replace_pattern(gm, CONV_BN)
     with pytest.raises(fxdebug.UsageError, match="single tensor"):
-        fxdebug.find_pattern(gm, lambda t: (t, t))
+        fxdebug.authoring.find_pattern(gm, lambda t: (t, t))
 
 
 def test_node_values_returns_copies_and_restores_buffers():
@@ -100,7 +100,7 @@ def test_node_values_returns_copies_and_restores_buffers():
     model.train()
     gm = fxdebug.trace(model, (x,))
     before = model.stem[1].running_mean.clone()
-    values = fxdebug.node_values(gm, fxdebug.PassContext((x,)), ["layer1_0_bn1", "output"])
+    values = fxdebug.authoring.node_values(gm, fxdebug.PassContext((x,)), ["layer1_0_bn1", "output"])
     assert torch.equal(model.stem[1].running_mean, before)
     assert (values["layer1_0_bn1"] < 0).any()  # taken before the in-place ReLU that follows it
     assert values["output"].shape == (2, 10)

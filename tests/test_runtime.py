@@ -111,7 +111,7 @@ def test_the_graph_calls_the_op_directly():
     batches = [n for n in nodes if n.op == "call_function" and n.target is many]
     watched += [x for b in batches for x in b.args[0]]
     (part,) = dbg.parts().values()
-    modules = [n for n in nodes if n.op == "call_module" and isinstance(part.get_submodule(str(n.target)), fxdebug.Observer)]
+    modules = [n for n in nodes if n.op == "call_module" and isinstance(part.get_submodule(str(n.target)), fxdebug.authoring.Observer)]
     assert not modules and len(watched) == len(set(watched)) == len(dbg.observers()) == len(dbg.report().rows)
     assert batches and len(batches) < len(watched) / 3  # small tensors: several per call
     assert torch.equal(dbg(x), model(x))
@@ -278,7 +278,7 @@ def test_cuda_record_mode_never_syncs():
 
 
 def test_a_users_fused_probe_shares_the_one_read():
-    class MeanAbs(fxdebug.FusedProbe):
+    class MeanAbs(fxdebug.authoring.FusedProbe):
         key = "mean-abs"
         columns = (fxdebug.Column("l1_mean"),)
 
@@ -293,7 +293,7 @@ def test_a_users_fused_probe_shares_the_one_read():
     dbg = fxdebug.instrument(model, [mean_abs, StatCollector()], example_inputs=(x,))
     parts = dbg.parts().values()
     assert not [n for p in parts for n in p.graph.nodes
-                if n.op == "call_module" and isinstance(p.get_submodule(str(n.target)), fxdebug.Observer)]
+                if n.op == "call_module" and isinstance(p.get_submodule(str(n.target)), fxdebug.authoring.Observer)]
     dbg(x)
     row = dbg.report().row("fc")
     with torch.no_grad():

@@ -33,7 +33,7 @@ def test_doc_probe_gets_origin_detection_and_columns_everywhere(tmp_path):
     report = ns["report"]
     assert report.first_nonfinite == "log"  # no NaNCheck: the user's ORIGIN column alone found it
     assert report.nonfinite_nodes == ["log", "sum_1"] and not report.ok
-    assert report.column("nan_calls").has(fxdebug.NONFINITE)
+    assert report.column("nan_calls").has(fxdebug.authoring.NONFINITE)
     header = next(line for line in format_report(report, use_rich=False).splitlines() if line.startswith("node"))
     assert "nan_calls" in header.split() and "nan_first" not in header  # hidden role kept out of the table
     data = json.loads(report.to_json())
@@ -58,9 +58,9 @@ def test_builtin_passes_declare_their_columns():
     dbg = fxdebug.instrument(model, [NaNCheck(backward=True), StatCollector(grads=True)], example_inputs=(x,))
     dbg(x).sum().backward()
     report = dbg.report()
-    origin = {c.key for c in report.columns_with(fxdebug.ORIGIN)}
+    origin = {c.key for c in report.columns_with(fxdebug.authoring.ORIGIN)}
     assert origin == {"nonfinite_first_call", "grad_nonfinite_first_call"}
-    assert [c.key for c in report.columns_with(fxdebug.COLOR)] == ["dead_frac"]
+    assert [c.key for c in report.columns_with(fxdebug.authoring.COLOR)] == ["dead_frac"]
     assert report.column("grad_mean").phase == "grad" and report.column("mean").phase == "forward"
 
 
@@ -72,7 +72,7 @@ def test_column_rejects_unknown_role_and_phase():
 
 
 def test_column_format_is_used_by_the_table():
-    class Share(fxdebug.Probe):
+    class Share(fxdebug.authoring.Probe):
         key = "share"
         columns = (fxdebug.Column("pos_share", format=".1%"),)
 
@@ -101,12 +101,12 @@ def test_column_format_is_used_by_the_table():
 # A user's probe's declarations: the share of |x| >= 0.99 (saturated tanh units), declared the way
 # StatCollector declares its dead fraction.
 SATURATION = (
-    fxdebug.Column("saturated", roles=fxdebug.COLOR, threshold=0.5, label="saturated",
+    fxdebug.Column("saturated", roles=fxdebug.authoring.COLOR, threshold=0.5, label="saturated",
                    only=lambda row: "tanh" in str(row.get("op")), merge="max",
                    finding=fxdebug.authoring.FindingRule(
                        kind="saturated_units", message="{where}: {pct} of its outputs saturated.",
                        fix="scale its input down (a normalisation before {node}).", option="saturated")),
-    fxdebug.Column("sat_calls", roles=fxdebug.HIDDEN, answers="saturation_calls",
+    fxdebug.Column("sat_calls", roles=fxdebug.authoring.HIDDEN, answers="saturation_calls",
                    reading=lambda rows: sum(r.get("sat_calls", 0) for r in rows)),
 )
 

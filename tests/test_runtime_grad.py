@@ -199,7 +199,7 @@ def test_compiled_training_step_observes_gradients_like_eager():
     assert _grad_rows(compiled_dbg.report()) == _grad_rows(eager.report())
 
 
-class _GradAbs(fxdebug.FusedProbe):
+class _GradAbs(fxdebug.authoring.FusedProbe):
     key = "grad-abs"
     grads = True
     columns = (fxdebug.Column("l1_mean", phase="both"),)

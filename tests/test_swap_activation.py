@@ -36,7 +36,7 @@ class AllForms(nn.Module):
 def test_every_relu_form_is_swapped_and_only_negatives_change():
     model, x = AllForms(), torch.randn(7, 6)
     dbg = fxdebug.instrument(model, [SwapActivation(negative_slope=0.1)], example_inputs=(x,))
-    assert not any(fxdebug.is_relu(n, dbg) for n in dbg.graph.nodes)
+    assert not any(fxdebug.authoring.is_relu(n, dbg) for n in dbg.graph.nodes)
     assert len(dbg.pass_results[0].replaced) == len(FORMS)
     with torch.no_grad():
         pre = torch.cat(model.pre(x), dim=1)
@@ -50,14 +50,14 @@ def test_every_relu_form_is_swapped_and_only_negatives_change():
 def test_nothing_else_is_touched_and_model_is_not_mutated():
     model, (x,) = ZOO["residual_cnn"]()
     before = fxdebug.trace(model, (x,))
-    others = [(n.name, n.op, str(n.target)) for n in before.graph.nodes if not fxdebug.is_relu(n, before)]
+    others = [(n.name, n.op, str(n.target)) for n in before.graph.nodes if not fxdebug.authoring.is_relu(n, before)]
     dbg = fxdebug.instrument(model, [SwapActivation()], example_inputs=(x,))
     after = {(n.name, n.op, str(n.target)) for n in dbg.graph.nodes}
     assert set(others) <= after
     assert isinstance(model.layer1[0].relu, nn.ReLU) and isinstance(model.stem[2], nn.ReLU)
     swapped = [n for n in dbg.graph.nodes if "swap-activation" in fxdebug.authoring.node_meta(n).transforms]
     assert len(swapped) == 9
-    meta = fxdebug.fx_meta(swapped[0])
+    meta = fxdebug.authoring.fx_meta(swapped[0])
     assert meta["changed_by"] == ["swap-activation"] and meta["transforms"]["swap-activation"]["to"] == "LeakyReLU"
     assert meta["module"] == "stem.2"
 
@@ -77,7 +77,7 @@ def test_inplace_semantics_are_kept(to):
     act = nn.GELU() if to else nn.LeakyReLU(0.01)
     with torch.no_grad():
         torch.testing.assert_close(dbg(x.clone()), _inplace_reference(model, x, act))
-    assert not any(fxdebug.is_relu(n, dbg) for n in dbg.graph.nodes)
+    assert not any(fxdebug.authoring.is_relu(n, dbg) for n in dbg.graph.nodes)
 
 
 def test_to_factory_replaces_with_any_activation():
@@ -125,7 +125,7 @@ def test_zoo_runs_and_matches_leaky_reference_where_no_relu(name):
     model, inputs = ZOO[name]()
     dbg = fxdebug.instrument(model, [SwapActivation()], example_inputs=inputs)
     dbg.graph.lint()
-    relus = [n for n in fxdebug.trace(model, inputs).graph.nodes if fxdebug.is_relu(n)]
+    relus = [n for n in fxdebug.trace(model, inputs).graph.nodes if fxdebug.authoring.is_relu(n)]
     assert len(dbg.pass_results[0].replaced) == len(relus)
     if not relus:
         model.eval(), dbg.eval()

@@ -38,7 +38,7 @@ def test_zoo_to_module_is_plain_and_computes_what_the_transforms_compute(name):
     dbg = fxdebug.instrument(model, TRANSFORMS(), example_inputs=ex)
     plain = dbg.to_module()
     assert type(plain).__mro__[1] is GraphModule and not isinstance(plain, fxdebug.Instrumented)
-    assert not any(fxdebug.is_instrumentation(n) for n in plain.graph.nodes)
+    assert not any(fxdebug.authoring.is_instrumentation(n) for n in plain.graph.nodes)
     assert not any(type(m).__name__ in ("Observer", "Clock", "InputGuard", "Masked") for m in plain.modules())
     assert not any(k.startswith("fxdebug.") for k in plain.state_dict())
     graph_targets = {str(n.target) for n in plain.graph.nodes if n.op in ("call_module", "get_attr")}

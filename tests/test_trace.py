@@ -72,14 +72,14 @@ def test_user_leaf_modules_by_name_and_type():
 def test_every_node_records_its_owning_module():
     model, _ = ZOO["transformer_block"]()
     dbg = fxdebug.trace(model)
-    paths = {n.name: fxdebug.module_path(n) for n in dbg.graph.nodes}
+    paths = {n.name: fxdebug.authoring.module_path(n) for n in dbg.graph.nodes}
     # functional calls and tensor methods inside Attention.forward belong to "attn"
     softmax = next(n for n in dbg.graph.nodes if n.op == "call_method" and n.target == "softmax")
     assert paths[softmax.name] == "attn"
     chunk = next(n for n in dbg.graph.nodes if n.op == "call_method" and n.target == "chunk")
-    assert fxdebug.fx_meta(chunk)["module"] == "attn"
+    assert fxdebug.authoring.fx_meta(chunk)["module"] == "attn"
     gelu = next(n for n in dbg.graph.nodes if n.op == "call_module" and n.target == "mlp.1")
-    assert fxdebug.fx_meta(gelu)["module_type"] == "GELU"
+    assert fxdebug.authoring.fx_meta(gelu)["module_type"] == "GELU"
     add = [n for n in dbg.graph.nodes if n.op == "call_function" and n.target.__name__ == "add"]
     assert [paths[a.name] for a in add] == ["", ""]  # the residual adds live in the root's forward
 
@@ -88,8 +88,8 @@ def test_source_lines_are_the_users():
     model, _ = ZOO["functional_ops"]()
     dbg = fxdebug.trace(model)
     cat = next(n for n in dbg.graph.nodes if n.target is torch.cat)
-    assert fxdebug.source_line(cat).startswith("zoo.py:")
-    assert "torch.cat" in fxdebug.source_line(cat)
+    assert fxdebug.authoring.source_line(cat).startswith("zoo.py:")
+    assert "torch.cat" in fxdebug.authoring.source_line(cat)
 
 
 def test_not_a_module_is_a_usage_error():

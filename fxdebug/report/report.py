@@ -70,7 +70,7 @@ class Report:
         return next((c for c in self.columns if c.key == key), None)
 
     def columns_with(self, role: str, phase: str | None = None) -> list[Column]:
-        """Declared columns holding ``role`` (``fxdebug.ORIGIN``, ``COLOR``, ...), of ``phase`` if given."""
+        """Declared columns holding ``role`` (``fxdebug.authoring.ORIGIN``, ``COLOR``, ...), of ``phase`` if given."""
         return columns_with(self.columns, role, phase)
 
     def nonfinite_in(self, row: dict[str, Any], phase: str | None = None) -> bool:

@@ -7,10 +7,10 @@ their declarations and leave ``HIDDEN`` ones out of the table, the picture colou
 ``COLOR`` columns, and CLI findings list nodes whose ``NONFINITE`` column is non-zero. No output
 knows the built-in passes' keys by name, so a user's probe gets the same treatment::
 
-    class Spikes(fxdebug.Probe):
+    class Spikes(fxdebug.authoring.Probe):
         key = "spikes"
-        columns = (fxdebug.Column("spike_calls", roles=fxdebug.NONFINITE),
-                   fxdebug.Column("spike_first_call", roles=fxdebug.ORIGIN),)
+        columns = (fxdebug.Column("spike_calls", roles=fxdebug.authoring.NONFINITE),
+                   fxdebug.Column("spike_first_call", roles=fxdebug.authoring.ORIGIN),)
 
 Columns of the gradient phase are declared once with ``phase="grad"`` (or ``"both"``): their row
 key is the name with ``grad_`` in front, the prefix the observer gives gradient summaries.
