@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from fxdebug.numerics.sensitivity import Sensitivity, sensitivity
     from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
     from fxdebug.graph.select import Where, matches
-    from fxdebug.capture.symbolic import Inputs, LeafInfo, TraceInfo
+    from fxdebug.capture.symbolic import Inputs
+    from fxdebug.capture.trace_info import LeafInfo, TraceInfo
     from fxdebug.instrumented.verify import Verification, verify
     from fxdebug.training.guard import guard
 
@@ -70,7 +71,7 @@ _LAZY: dict[str, str] = {
     "InplaceError": "fxdebug.errors",
     "Inputs": "fxdebug.capture.symbolic",
     "Instrumented": "fxdebug.instrumented.module",
-    "LeafInfo": "fxdebug.capture.symbolic",
+    "LeafInfo": "fxdebug.capture.trace_info",
     "Match": "fxdebug.authoring.rewrite",
     "MissingInputsError": "fxdebug.errors",
     "NONFINITE": "fxdebug.runtime.columns",
@@ -93,7 +94,7 @@ _LAZY: dict[str, str] = {
     "ShapeMismatchError": "fxdebug.errors",
     "TensorSpec": "fxdebug.authoring.context",
     "TraceError": "fxdebug.errors",
-    "TraceInfo": "fxdebug.capture.symbolic",
+    "TraceInfo": "fxdebug.capture.trace_info",
     "UsageError": "fxdebug.errors",
     "VALUE": "fxdebug.runtime.columns",
     "Verification": "fxdebug.instrumented.verify",

@@ -34,12 +34,11 @@ from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.graph.module_sharing import CALL_HOOKS, share_root_state
 from fxdebug.capture.eager_origin import explain_eager_origin
-from fxdebug.capture.live import check_live
 from fxdebug.errors import ArgumentTypeError, FxDebugError
 from fxdebug.instrumented.face import model_attribute
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
-from fxdebug.instrumented.modes import ensure_mode, follow_mode
-from fxdebug.instrumented.recapture import captures, route_call, with_signatures
+from fxdebug.instrumented.snapshot_cache import check_call, other_signatures, with_signatures
+from fxdebug.instrumented.snapshot_recipe import follow_mode
 from fxdebug.runtime.observer import Clock, Observer
 from fxdebug.runtime.lower import observers_in
 from fxdebug.render.draw import render as draw
@@ -49,7 +48,7 @@ from fxdebug.graph.serialize import deserialize_graph, encode_pytree_info, seria
 from fxdebug.instrumented.to_module import to_module as plain_module
 from fxdebug.capture.base import Capture
 from fxdebug.capture.graphs import graph_module
-from fxdebug.capture.symbolic import TraceInfo
+from fxdebug.capture.trace_info import TraceInfo
 
 __all__ = ["Instrumented"]
 
@@ -130,9 +129,7 @@ class Instrumented(GraphModule):
         return self
 
     def _call_with_diagnosis(self, *args: Any, **kwargs: Any) -> Any:
-        check_live(self, args, kwargs)  # the model's tree, hooks and root flags as captured (fxdebug.capture.live)
-        ensure_mode(self)  # the graph captured for the training flags the modules have now (fxdebug.instrumented.modes)
-        routed = route_call(self, args, kwargs)  # export: a call of another signature has its own capture
+        routed = check_call(self, args, kwargs)  # the one snapshot check (fxdebug.instrumented.snapshot_cache)
         if routed is not None:
             return routed(*args, **kwargs)
         try:
@@ -242,7 +239,7 @@ class Instrumented(GraphModule):
             clock = part._clock()
             if clock is not None:
                 clock.reset()
-            for other in captures(part):  # export: the captures for other keyword signatures
+            for other in other_signatures(part):  # export: the captures for other keyword signatures
                 other.reset()  # type: ignore[operator]
 
     def learn_shapes(self, example_inputs: Any) -> None:
