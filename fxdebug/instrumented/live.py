@@ -30,11 +30,11 @@ from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispa
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import run_part
-from fxdebug.capture.live import _global_hook_count
+from fxdebug.capture.staleness import global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
 from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare, quiet_warnings
 from fxdebug.capture.dynamo_sites import at_site
-from fxdebug.capture.symbolic import TraceInfo
+from fxdebug.capture.trace_info import TraceInfo
 from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
@@ -88,7 +88,7 @@ class LiveInstrumented(Instrumented):
         gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
         gm.__dict__[STATE_KEY] = LiveState(passes=list(passes), prior=prior, backend=backend,
                                            compiled=_compiled_entry(model, compiler_for(backend)),
-                                           global_hooks=_global_hook_count())
+                                           global_hooks=global_hook_count())
         return gm
 
     def recompile(self) -> Any:
@@ -110,7 +110,7 @@ class LiveInstrumented(Instrumented):
         state = self._live_state
         state.calls += 1
         state.sites.counts.clear()  # each call counts its call sites afresh (capture/dynamo_sites.py)
-        if _global_hook_count() != state.global_hooks:
+        if global_hook_count() != state.global_hooks:
             state.calls -= 1
             raise TraceError(
                 f"a global module hook (torch.nn.modules.module.register_module_forward_hook and kin) was registered or "
