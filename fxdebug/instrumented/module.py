@@ -11,9 +11,12 @@ error naming the node (see ``diagnose``); on the success path nothing is added t
 
 A capture is made of *parts*: ``parts()`` maps a module path to the ``Instrumented`` graph that
 stands for it. A symbolic or export capture is one part (``{"": self}``); the subtrees frontend
-gives several (``frontends/subtrees.py``). ``observers()``, ``reset()`` and ``report()`` loop over
-the parts, so no caller needs to know which frontend made the module. The entry points
-``trace`` / ``instrument`` / ``render`` live in ``api.py``.
+gives several (``capture/subtrees.py``, its module ``subtree_module.py``), and the live (Dynamo)
+capture one per graph Dynamo hands over (``live.py``). ``observers()``, ``reset()`` and ``report()``
+loop over the parts, so no caller needs to know which frontend made the module. A snapshot's call
+first goes through the one snapshot check (``snapshot_cache.check_call``: the graph for the model's
+flags, attribute values and call signature). The entry points ``trace`` / ``instrument`` /
+``render`` live in ``api.py``.
 """
 
 from __future__ import annotations
