@@ -70,10 +70,11 @@ def check_call(gm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Mod
     if flags == snap.flags and snap.holds():
         return None
     with _LOCK:
-        snap = rec.current
-        if not (flags == snap.flags and snap.holds()):
+        before = rec.current
+        if before is not None and not (flags == before.flags and before.holds()):
             _switch(gm, rec, flags)
-    guard = rec.current.staleness
+    after = rec.current
+    guard = after.staleness if after is not None else None
     if guard is not None and guard is not snap.staleness:  # the graph switched to holds its own assumptions
         guard.check(gm, args, kwargs)
     return None
@@ -101,8 +102,8 @@ def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any], shapes: bool =
             tuple(sorted([(k, kind(v, shapes)) for k, v in kwargs.items()])) if kwargs else ())
 
 
-def _dynamic(gm: nn.Module) -> bool:
-    return any("dynamic dimensions" in n for n in gm.trace_info.notes)  # type: ignore[union-attr]
+def _dynamic(gm: Any) -> bool:
+    return any("dynamic dimensions" in n for n in gm.trace_info.notes)
 
 
 def _example_signature(gm: nn.Module, rec: Recipe) -> None:
@@ -113,7 +114,7 @@ def _example_signature(gm: nn.Module, rec: Recipe) -> None:
     rec.signature = call_signature(*base, shapes=rec.signature_shapes) if base is not None else None
 
 
-def _other_signature(gm: nn.Module, rec: Recipe, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+def _other_signature(gm: Any, rec: Recipe, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
     sig, shaped = call_signature(args, kwargs), call_signature(args, kwargs, shapes=True)
     found = _routed_for(rec, sig, shaped)
     if found is not None:
@@ -132,7 +133,7 @@ def _other_signature(gm: nn.Module, rec: Recipe, args: tuple[Any, ...], kwargs: 
                                       shapes=not dynamic, routed=other))
         names = sorted(kwargs) if kwargs else [f"{len(args)} positional"]
         other.__dict__[_NAME] = "+".join(n.replace(" ", "_") for n in names)  # its rows read ``node@labels``
-        gm.trace_info.notes.append(  # type: ignore[union-attr]
+        gm.trace_info.notes.append(
             f"export: captured again for a call with another signature ({', '.join(names)}); "
             f"{len(other_signatures(gm))} extra capture(s), reported by "
             "fxdebug.instrumented.snapshot_cache.other_signatures(dbg)")
