@@ -115,6 +115,7 @@ def lower_observers(gm: GraphModule) -> int:
     pending: list[tuple[Node, Node, tuple[int, int, int, int], str, Node | None]] = []  # (observer node, x, rows, target, tap)
     barriers: dict[str, bool] = {}  # call_module target -> is a barrier (one lookup per module)
     ops: tuple[Any, Any] | None = None
+    held = [0]  # elements the pending run keeps alive
     if any(is_lowered(n) for n in graph.nodes if n.op == "call_function"):  # lowered before: the ops exist
         load()
         ops = (observe_op(), observe_many_op())
@@ -140,6 +141,7 @@ def lower_observers(gm: GraphModule) -> int:
             if len(taps) >= 2:
                 _batch_taps(graph, taps, clock_node)
         pending.clear()
+        held[0] = 0
 
     # not a copy of the node list: an observer node erased behind the sweep is freed at once
     for node in graph.nodes:
@@ -154,7 +156,11 @@ def lower_observers(gm: GraphModule) -> int:
         elif node.op == "call_function" and ops is not None and node.target is ops[0] and isinstance(node.args[0], Node) \
                 and fx_meta(node).get("phase") == "forward" and "observer" in fx_meta(node) and _small(node.args[0]):
             # lowered before (instrumenting an instrumented module): joins the run as it is
+            numel = _numel(node.args[0]) or 0
+            if pending and held[0] + numel > BATCH_TOTAL:
+                flush()
             pending.append((node, node.args[0], node.args[2:6], fx_meta(node)["observer"], None))
+            held[0] += numel
             if len(pending) == BATCH_MAX:
                 flush()
             continue
@@ -185,8 +191,12 @@ def lower_observers(gm: GraphModule) -> int:
                 tap = graph.call_function(observe_grad_op(), (x, clock_node, *obs.fused_rows["grad"]))
             tap.meta.update({k: v for k, v in node.meta.items() if k != _KEY})
             fx_meta(tap).update(fx_meta(node), observer=target, phase="grad")
-        if _small(x):
+        numel = _numel(x)
+        if numel is not None:
+            if pending and held[0] + numel > BATCH_TOTAL:
+                flush()
             pending.append((node, x, rows, target, tap))
+            held[0] += numel
             if len(pending) == BATCH_MAX:
                 flush()
         else:
@@ -254,18 +264,28 @@ def _barrier_cached(node: Node, gm: GraphModule, cache: dict[str, bool]) -> bool
     return found
 
 
-BATCH_NUMEL = 4096  # tensors up to this size (16 KiB in float32) may wait for a batched call
-BATCH_MAX = 16  # at most this many per call: what a batch keeps alive stays under 256 KiB
+# What a batch may keep alive: each extern call costs ~1.5 µs of dispatch (and, compiled, a call out of
+# Inductor's code), so debugging-size tensors wait for one call per run; the lifetime this adds is bounded
+# by element counts (measured: docs/performance.md, "Batched observations").
+BATCH_NUMEL = 65536  # tensors up to this size (256 KiB in float32) may wait for a batched call
+BATCH_TOTAL = 262144  # the elements a batch keeps alive at most (1 MiB in float32)
+BATCH_MAX = 16  # and at most this many tensors per call
 
 
-def _small(node: Node) -> bool:
+def _numel(node: Node) -> int | None:
+    """Elements of ``node``'s tensor when its shape is static and it may wait for a batch, else ``None``."""
     shape = fx_meta(node).get("shape")
     if shape is None or not all(isinstance(d, int) for d in shape):
-        return False
+        return None
     n = 1
     for d in shape:
         n *= d
-    return n <= BATCH_NUMEL
+    return n if n <= BATCH_NUMEL else None
+
+
+def _small(node: Node) -> bool:
+    return _numel(node) is not None
+
 
 
 def _barrier(node: Node, gm: GraphModule) -> bool:
@@ -288,10 +308,11 @@ def batch_observations(gm: GraphModule, clock_node: Node) -> int:
 
     An observation waits at most until the next barrier (an in-place op or a module that might
     write into what is pending, a Python observer that might raise, the output) and at most
-    ``BATCH_MAX`` observations, so values are read before anything can change them and little is
-    kept alive. Returns the number of batched calls made."""
+    ``BATCH_MAX`` observations of ``BATCH_TOTAL`` elements, so values are read before anything can change
+    them and little is kept alive. Returns the number of batched calls made."""
     graph, made = gm.graph, 0
     pending: list[Node] = []
+    held = [0]
 
     def flush(before: Node) -> None:
         nonlocal made
@@ -308,11 +329,16 @@ def batch_observations(gm: GraphModule, clock_node: Node) -> int:
                 graph.erase_node(p)
             made += 1
         pending.clear()
+        held[0] = 0
 
     for node in list(graph.nodes):
         if is_lowered(node) and fx_meta(node).get("phase") == "forward" and node.target is observe_op() \
                 and isinstance(node.args[0], Node) and _small(node.args[0]):
+            numel = _numel(node.args[0]) or 0
+            if pending and held[0] + numel > BATCH_TOTAL:
+                flush(node)
             pending.append(node)
+            held[0] += numel
             if len(pending) == BATCH_MAX:
                 flush(node.next)
         elif pending and _barrier(node, gm):
