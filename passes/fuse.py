@@ -27,8 +27,9 @@ from torch.fx import GraphModule, Node
 
 import fxdebug
 from .derived import mark_derived
+from .fuse_live import folded_bias, folded_weight, live_batch_norm_reads
 from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, node_values, replace_pattern
-from fxdebug.authoring import INSTRUMENTATION, Options, is_instrumentation, node_meta
+from fxdebug.authoring import INSTRUMENTATION, Options, get_attr, is_instrumentation, node_meta
 
 __all__ = ["Fuse", "fold_batchnorm"]
 
@@ -81,6 +82,8 @@ class Fuse(Pass):
     """
 
     name = "fuse"
+    # works on the live (Dynamo) capture: the fold is computed in the graph from the live reads (fuse_live.py)
+    live_capture = True
 
     def __init__(self, *, atol: float = 1e-4, rtol: float = 1e-4, where: fxdebug.Where = None) -> None:
         super().__init__(where=where)
@@ -163,6 +166,9 @@ class Fuse(Pass):
         if reason:
             notes.append(f"left {pair} alone: {reason}")
             return
+        if live_batch_norm_reads(bn_node) is not None:  # a live (Dynamo) graph: the fold is computed in the graph
+            self._fold_in_graph(gm, ctx, layer_node, bn_node, layer, values, replaced, notes)
+            return
         fused = self.fold(layer, bn)
         info: dict[str, Any] = {"from": [layer_node.name, bn_node.name], "layer": path}
         if values:
@@ -180,6 +186,49 @@ class Fuse(Pass):
         diff = f": max |diff| {info['max_abs_diff']:.2e}" if "max_abs_diff" in info else ""
         notes.append(f"fused {pair} into {new.name}{diff}.")
 
+    def _fold_in_graph(self, gm: GraphModule, ctx: PassContext, layer_node: Node, bn_node: Node, layer: nn.Module,
+                       values: dict[str, Any], replaced: dict[str, str], notes: list[str]) -> None:
+        """A Dynamo graph's ``conv/linear`` -> ``F.batch_norm``: the folded weight and bias computed in the graph from
+        the live parameter and buffer reads (``fuse_live``), one layer call on them; follows ``load_state_dict``."""
+        reads = live_batch_norm_reads(bn_node)
+        assert reads is not None
+        pair = f"{describe(layer_node)} + {describe(bn_node)}"
+        weight = layer_node.args[1]
+        bias = layer_node.args[2] if len(layer_node.args) > 2 else layer_node.kwargs.get("bias")
+        groups = layer.groups if isinstance(layer, nn.modules.conv._ConvTransposeNd) else 0
+        mean, var, gamma, beta, eps = (reads[k] for k in ("running_mean", "running_var", "weight", "bias", "eps"))
+        tensors = [a for a in (weight, bias, mean, var, gamma, beta) if a is not None]
+        if not all(isinstance(a, Node) and a.op == "get_attr" for a in tensors) or not isinstance(eps, float):
+            notes.append(f"left {pair} alone: its weights are not read straight from the model's parameters.")
+            return
+        x = layer_node.args[0]
+        assert isinstance(x, Node)
+        info: dict[str, Any] = {"from": [layer_node.name, bn_node.name], "layer": str(weight.target).rpartition(".")[0],
+                                "in_graph": True}
+        if values:
+            now = {a: get_attr(gm, str(a.target)) for a in tensors}
+            w_now = folded_weight(now[weight], now[var], now.get(gamma), eps, groups)
+            b_now = folded_bias(now.get(bias), now[mean], now[var], now.get(gamma), now.get(beta), eps, now[weight])
+            with torch.no_grad():
+                out = layer_node.target(values[x.name], w_now, b_now, *layer_node.args[3:], **{
+                    k: v for k, v in layer_node.kwargs.items() if k != "bias"})
+            info["max_abs_diff"] = self._compare_values(out, values[bn_node.name], pair, bn_node.name,
+                                                        type(layer).__name__)
+        self._unobserve(ctx, [layer_node], notes)
+        w_new = ctx.insert_before(layer_node, folded_weight, (weight, var, gamma, eps, groups), hint="folded_weight")
+        b_new = ctx.insert_before(layer_node, folded_bias, (bias, mean, var, gamma, beta, eps, weight),
+                                  hint="folded_bias")
+        args = (x, w_new, b_new, *layer_node.args[3:])
+        kwargs = {k: v for k, v in layer_node.kwargs.items() if k != "bias"}
+        new = ctx.insert_before(bn_node, layer_node.target, args, kwargs, hint=f"{layer_node.name}_{bn_node.name}")
+        ctx.replace(bn_node, new)
+        gm.graph.erase_node(layer_node)
+        ctx.record(new, info, stands_for=info["layer"])
+        replaced[bn_node.name] = replaced[layer_node.name] = new.name
+        diff = f": max |diff| {info['max_abs_diff']:.2e}" if "max_abs_diff" in info else ""
+        notes.append(f"fused {pair} into {new.name}, folded in the graph from the live parameters and running "
+                     f"statistics at every call{diff}.")
+
     @staticmethod
     def _unobserve(ctx: PassContext, nodes: list[Node], notes: list[str]) -> None:
         for n in nodes:
@@ -194,6 +243,9 @@ class Fuse(Pass):
     def _compare(self, fused: nn.Module, x: Any, ref: Any, pair: str, node: str, op: str) -> float:
         with torch.no_grad():
             out = fused(x)
+        return self._compare_values(out, ref, pair, node, op)
+
+    def _compare_values(self, out: Any, ref: Any, pair: str, node: str, op: str) -> float:
         diff = (out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
         atol, rtol = self.atol, self.rtol
         if ref.dtype in (torch.float16, torch.bfloat16):

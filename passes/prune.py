@@ -117,6 +117,8 @@ class PruneMasks(Pass):
     """
 
     name = "prune-masks"
+    # works on the live (Dynamo) capture: the masks multiply the weights as the graph reads them, at every call
+    live_capture = True
 
     def __init__(self, amount: float, structured: bool | str = False, scope: str = "global",
                  importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,
@@ -137,6 +139,10 @@ class PruneMasks(Pass):
         self.amount, self.structured, self.scope, self.importance, self.bake = float(amount), structured or False, scope, importance, bake
         self.loss_fn, self.batch, self.norm = loss_fn, batch, norm
         self.prune_outputs = bool(prune_outputs)
+        # what the functional graphs of a live capture cannot do yet (``_refuse_export``; a grad loss sees Dynamo's
+        # output tuple): instrument()'s auto choice captures a snapshot for these
+        if bake or importance != "magnitude":
+            self.live_capture = False
 
     # -- what to prune --------------------------------------------------------------------------
     def _aten_layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, tuple[nn.Module, dict[str, Node]]]:
@@ -382,7 +388,8 @@ class PruneMasks(Pass):
                 info = {"layer": path, "sparsity": 1.0 - float(w.float().mean()), "masked": int((w == 0).sum()),
                         "weights": w.numel(), "baked": False,
                         ("channels" if key != "consumer_weight" else "input_channels"): channels}
-                new = ctx.insert_after(read, MaskedValue(path, name, w), rewire=True, hint=f"masked_{path}_{name}")
+                new = ctx.insert_after(read, MaskedValue(path, name, w), rewire=True, hint=f"masked_{path}_{name}",
+                                       after=_before_first_user(read))
                 ctx.record(new, info, stands_for=path)
                 added.append(new)
             notes.append(f"{pair.producer} -> {pair.consumer}: {len(channels)} of {len(c)} hidden channels pruned "
@@ -405,13 +412,22 @@ class PruneMasks(Pass):
             info = {"layer": path, "sparsity": 1.0 - float(w.float().mean()), "masked": int((w == 0).sum()),
                     "weights": w.numel(), "baked": False}
             read = aten[path][1]["weight"]
-            new = ctx.insert_after(read, MaskedValue(path, "weight", w), rewire=True, hint=f"masked_{path}")
+            new = ctx.insert_after(read, MaskedValue(path, "weight", w), rewire=True, hint=f"masked_{path}",
+                                   after=_before_first_user(read))
             ctx.record(new, info, stands_for=path)
             added.append(new)
         stats = sparsity(gm)
         notes = [f"{p}: {s:.1%} of weights masked." for p, s in stats["layers"].items()]
         notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
         return PassResult(gm, added=added, notes=notes)
+
+
+def _before_first_user(read: Node) -> Node:
+    """Where a mask of ``read`` goes: right before the first op that reads it. A live (Dynamo) graph reads the model's
+    parameters at its start, before fxdebug's clock; a mask there would be observed before the clock exists."""
+    order = {n: i for i, n in enumerate(read.graph.nodes)}
+    first = min(read.users, key=lambda u: order[u], default=None)
+    return first.prev if first is not None else read
 
 
 def output_layers(gm: GraphModule, layers: set[str]) -> set[str]:
