@@ -18,6 +18,7 @@ instrumented graph Inductor compiles; graph breaks beyond the model's own would 
 
     python tools/bench_compile.py                  # the four models of the issue
     python tools/bench_compile.py --models "hf gpt2 2L d64 2x16" --rounds 5
+    python tools/bench_compile.py --cold 0         # steady state only
     python tools/bench_compile.py --stats inline   # the observation as reductions Inductor fuses into the producers
 """
 
@@ -136,7 +137,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--stats", choices=("extern", "inline"), default="extern",
                    help="the observation in compiled graphs: one extern op call per node, or inlined reductions")
-    p.add_argument("--cold", type=int, default=3, help="cold-compile processes per variant (alternating order)")
+    p.add_argument("--cold", type=int, default=3, help="cold-compile processes per variant (alternating order); 0: steady state only")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -148,6 +149,11 @@ def main() -> None:
           "cold ratio | instrument s | graphs plain / fxdebug | graph breaks plain / fxdebug |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in a.models:
+        if a.cold == 0:  # steady state only (a loaded machine: the cold pairs take minutes)
+            st = _child(["steady", name, a.rounds, a.calls], cache=a.stats == "extern", stats=a.stats)
+            print(f"| {name} | {st['plain_ms']:.2f} | {st['fxdebug_ms']:.2f} | {st['ratio']:.2f}x "
+                  f"({st['ratio_min']:.2f}..{st['ratio_max']:.2f}) | - | - | - | - | - | - |", flush=True)
+            continue
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], "fxdebug": []}
         for i in range(a.cold):
             for variant in (("plain", "fxdebug") if i % 2 == 0 else ("fxdebug", "plain")):
