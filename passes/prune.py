@@ -32,7 +32,7 @@ from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResul
 from fxdebug.authoring import Options, node_meta
 
 from .derived import mark_derived
-from .prune_aten import ffn_pairs, pair_masks
+from .prune_aten import before_first_user, ffn_pairs, pair_masks
 from .prune_groups import channel_groups
 
 __all__ = ["Masked", "MaskedValue", "PruneMasks", "sparsity", "unmask"]
@@ -389,7 +389,7 @@ class PruneMasks(Pass):
                         "weights": w.numel(), "baked": False,
                         ("channels" if key != "consumer_weight" else "input_channels"): channels}
                 new = ctx.insert_after(read, MaskedValue(path, name, w), rewire=True, hint=f"masked_{path}_{name}",
-                                       after=_before_first_user(read))
+                                       after=before_first_user(read))
                 ctx.record(new, info, stands_for=path)
                 added.append(new)
             notes.append(f"{pair.producer} -> {pair.consumer}: {len(channels)} of {len(c)} hidden channels pruned "
@@ -413,21 +413,13 @@ class PruneMasks(Pass):
                     "weights": w.numel(), "baked": False}
             read = aten[path][1]["weight"]
             new = ctx.insert_after(read, MaskedValue(path, "weight", w), rewire=True, hint=f"masked_{path}",
-                                   after=_before_first_user(read))
+                                   after=before_first_user(read))
             ctx.record(new, info, stands_for=path)
             added.append(new)
         stats = sparsity(gm)
         notes = [f"{p}: {s:.1%} of weights masked." for p, s in stats["layers"].items()]
         notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
         return PassResult(gm, added=added, notes=notes)
-
-
-def _before_first_user(read: Node) -> Node:
-    """Where a mask of ``read`` goes: right before the first op that reads it. A live (Dynamo) graph reads the model's
-    parameters at its start, before fxdebug's clock; a mask there would be observed before the clock exists."""
-    order = {n: i for i, n in enumerate(read.graph.nodes)}
-    first = min(read.users, key=lambda u: order[u], default=None)
-    return first.prev if first is not None else read
 
 
 def output_layers(gm: GraphModule, layers: set[str]) -> set[str]:

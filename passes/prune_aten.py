@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from fxdebug.authoring import is_instrumentation
 
-__all__ = ["FfnPair", "ffn_pairs", "pair_masks"]
+__all__ = ["FfnPair", "before_first_user", "ffn_pairs", "pair_masks"]
 
 # elementwise ops a hidden channel passes through unchanged in position (value 0 may not stay 0: the
 # consumer's input column is masked too, so it does not matter)
@@ -150,3 +150,11 @@ def pair_masks(pairs: list[FfnPair], layers: dict[str, nn.Module], amount: float
                 cut[p][int(torch.argmax(scores[p]))] = False
             offset += n
     return cut
+
+
+def before_first_user(read: Node) -> Node:
+    """Where a mask of ``read`` goes: right before the first op that reads it. A live (Dynamo) graph reads the model's
+    parameters at its start, before fxdebug's clock; a mask there would be observed before the clock exists."""
+    order = {n: i for i, n in enumerate(read.graph.nodes)}
+    first = min(read.users, key=lambda u: order[u], default=None)
+    return first.prev if first is not None else read
