@@ -28,7 +28,7 @@ from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
 from fxdebug.graph.meta import graph_record
 from fxdebug.authoring.context import NAMESPACE
-from fxdebug.instrumented.modes import remember
+from fxdebug.instrumented.snapshot_recipe import remember
 from fxdebug.authoring.pipeline import Pass, validate_passes
 from fxdebug.render.draw import render as draw
 from fxdebug.report.report import Report
@@ -39,8 +39,8 @@ from fxdebug.instrumented.verify import verify
 __all__ = ["FRONTENDS", "instrument", "module_from_capture", "render", "run_pipeline", "trace"]
 
 _CHOICES = ("auto", "dynamo", *FRONTENDS)
-# instrument(frontend="auto"): the live Dynamo capture unless a pass transforms the graph or a snapshot option
-# is given (then symbolic, export, subtrees, noted). FXDEBUG_AUTO=snapshot keeps "auto" on that snapshot chain
+# instrument(frontend="auto"): the live Dynamo capture unless a pass does not work on its graphs (live_capture()),
+# or a snapshot option is given (then symbolic, export, subtrees, noted). FXDEBUG_AUTO=snapshot keeps "auto" on that snapshot chain
 # for every pass list (docs/frontends.md)
 AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO", "dynamo") != "snapshot"
 # Dynamo traces ~5-10 ms per module call on CPU (symbolic tracing ~0.2 ms per node): above this many modules a
@@ -189,9 +189,9 @@ def instrument(
     return gm
 
 
-_LIVE_WHY = ("auto: the live Dynamo capture (observe-only passes, no snapshot option, at most "
-             f"{LIVE_MODULE_LIMIT} modules); a transform pass, leaf_modules / auto_leaf / dynamic_batch or a larger "
-             "model would take a snapshot frontend")
+_LIVE_WHY = ("auto: the live Dynamo capture (passes that work on it, no snapshot option, at most "
+             f"{LIVE_MODULE_LIMIT} modules); a pass whose live_capture is False, leaf_modules / auto_leaf / "
+             "dynamic_batch or a larger model would take a snapshot frontend")
 
 
 def choose_frontend(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any], entry: str) -> tuple[str, str]:
@@ -224,11 +224,11 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
         return ""
     if isinstance(inner, Instrumented):
         return None
-    transforms = [getattr(p, "name", type(p).__name__) for p in passes if not p.observe_only]
-    if transforms:
-        return (f"auto: {', '.join(transforms)} transform(s) the graph into a new module, which needs one whole "
-                "graph: captured by symbolic tracing (then export, then subtrees), a snapshot of the model as it is "
-                "now, not the live Dynamo capture")
+    snapshot_only = [getattr(p, "name", type(p).__name__) for p in passes if not live_capture(p)]
+    if snapshot_only:
+        return (f"auto: {', '.join(snapshot_only)} transform(s) the graph into a new module and does not work on the "
+                "live capture's graphs (its live_capture is False), so it needs one whole graph: captured by symbolic "
+                "tracing (then export, then subtrees), a snapshot of the model as it is now, not the live Dynamo capture")
     given = [k for k, default in (("leaf_modules", ()), ("auto_leaf", True), ("dynamic_batch", False))
              if k in options and options[k] != default]
     if given:
@@ -242,14 +242,22 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
     return ""
 
 
+def live_capture(p: Pass) -> bool:
+    """Whether pass ``p`` works on the live Dynamo capture's graphs (one per frame, graph break and recompile).
+
+    A pass says so with a ``live_capture`` attribute (docs/writing-passes.md); without one, an observe-only
+    pass does and a transform does not (a transform was written for one whole graph of the model)."""
+    return bool(getattr(p, "live_capture", p.observe_only))
+
+
 def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
                      check: bool, start: float, backend: str | None = None, why: str = "") -> Instrumented:
     """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
     model, unwrapped = unwrap_parallel(model)
     notes = [n for n in (unwrapped, why) if n]
     if isinstance(model, LiveInstrumented):
-        passes = [*model.__dict__["_passes"], *passes]
-        backend = backend or model.__dict__["_backend"]  # more passes on a compiled live module: compiled too
+        passes = [*model._live_state.passes, *passes]
+        backend = backend or model._live_state.backend  # more passes on a compiled live module: compiled too
         model = model.model
     elif isinstance(model, Instrumented):
         raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
@@ -266,12 +274,12 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
                          "materialize their parameters, changing the model. Run the model once first, then instrument it.",
                          module=lazy[0], op="lazy module")
     gm = LiveInstrumented._live(model, passes, prior, notes, backend or "eager")
-    gm.__dict__["_example_inputs"] = example_inputs  # what gradcheck() and friends default to, as for a snapshot
+    gm.example_inputs = example_inputs  # what gradcheck() and friends default to, as for a snapshot
     inputs = normalize_inputs(example_inputs)
     if inputs is not None:
         check_example_inputs(model, inputs)
         args, kwargs = clone_inputs(inputs)
-        gm.__dict__["_examples"] = True  # a failure of the model's forward here names the example inputs
+        gm._live_state.capturing_examples = True  # a failure of the model's forward here names the example inputs
         try:
             # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
             with preserved_state(model), torch_errors_caught() as logged:
@@ -287,7 +295,7 @@ def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, 
                     with preserved_state(model):
                         gm(*more_args, **more_kwargs)
         finally:
-            gm.__dict__["_examples"] = False
+            gm._live_state.capturing_examples = False
         gm.reset()
         check_where_matched(passes, gm.parts(), prefixed=False)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
