@@ -239,7 +239,13 @@ def _modules_at(gm: GraphModule, paths: Iterable[str]) -> dict[str, Any]:
     wanted = set(paths) - {""}
     if not wanted:
         return {}
-    return {name: m for name, m in gm.named_modules(remove_duplicate=False) if name in wanted}
+    found: dict[str, Any] = {}
+    for name in wanted:  # each looked up (a live part shares the whole model: a walk per part was quadratic)
+        try:
+            found[name] = gm.get_submodule(name)
+        except AttributeError:
+            continue
+    return found
 
 
 def _remember_owners(gm: GraphModule, owners: dict[str, Any]) -> None:

@@ -104,4 +104,13 @@ def observing_after_errors(compiled: Callable[..., Any], entry: Callable[..., An
             unskip_codes(exc, set(log[start:]) if log is not None else None)
             raise
 
+    _skipped_by_dynamo(call)
     return call
+
+
+def _skipped_by_dynamo(fn: Callable[..., Any]) -> None:
+    """A region's entry is called inside a compiled caller's eager stretch (``capture.dynamo_regions``), where
+    Dynamo's callback is on: this wrapper's own frame must not be compiled (its callee, the region, is)."""
+    import torch._dynamo
+
+    torch._dynamo.eval_frame.skip_code(fn.__code__)

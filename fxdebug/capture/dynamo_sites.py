@@ -35,6 +35,7 @@ from torch import nn
 
 from fxdebug.capture.dynamo import DynamoGraph
 from fxdebug.capture.dynamo_names import ENTRY_DIR, root_codes
+from fxdebug.capture.dynamo_regions import REGION_NAME
 
 __all__ = ["Site", "SiteBook", "SitedGraph", "at_site", "call_site", "root_codes"]
 
@@ -181,7 +182,8 @@ def _locate(book: SiteBook, model: nn.Module, graph: DynamoGraph,
     roots = book.roots
     if roots is None:
         roots = book.roots = root_codes(model)
-    if graph.code in roots or graph.code.startswith(ENTRY_DIR):  # the model's forward, or the entry Dynamo inlined it in
+    if graph.code in roots or (graph.code.startswith(ENTRY_DIR) and REGION_NAME not in graph.code):  # the model's
+        # forward, or the entry Dynamo inlined it in (not a region's function: a block's, at the block's site)
         return None
     own, caller, module = _walk(frame)
     function = own[1] if own is not None else ""

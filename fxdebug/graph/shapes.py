@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 from torch import Tensor
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx import traceback as fx_traceback
@@ -69,7 +70,11 @@ class _SpecRecorder(Interpreter):
     of values after their last use and the errors are ``Interpreter``'s (~10 µs a node less)."""
 
     def __init__(self, gm: GraphModule) -> None:
-        super().__init__(gm, garbage_collect_values=True)
+        gm.named_modules = _no_modules  # type: ignore[method-assign]
+        try:  # Interpreter's map of every submodule, a walk of the whole model for each live part (which shares
+            super().__init__(gm, garbage_collect_values=True)  # the model's modules): call_module fetches instead
+        finally:
+            del gm.named_modules
         self.extra_traceback = False  # our own error names the node; torch's addendum is noise
         self.specs: dict[str, Any] = {}
 
@@ -133,6 +138,10 @@ class _SpecRecorder(Interpreter):
         return value
 
 
+def _no_modules(*args: Any, **kwargs: Any) -> Any:
+    return iter(())
+
+
 @functools.lru_cache(maxsize=None)
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
@@ -142,6 +151,27 @@ def learn_specs(gm: GraphModule, inputs: CallInputs) -> dict[str, Any]:
     """``{node name: spec}`` from one run of ``gm`` on clones of ``inputs``; the model is unchanged."""
     recorder = _SpecRecorder(gm)
     values = clone_inputs(bind_inputs(gm, *inputs))
-    with preserved_state(gm), torch.no_grad():
+    with preserved_state(_touched(gm)), torch.no_grad():
         recorder.run(*values)
     return recorder.specs
+
+
+def _touched(gm: GraphModule) -> nn.Module:
+    """What a run of ``gm`` can change: the modules its ``get_attr`` and ``call_module`` nodes name (with their
+    submodules). A live capture's part shares the whole model's modules but reads one block of it; saving the
+    whole model's state for each part made instrumenting a deep model quadratic in its depth."""
+    owners: dict[int, nn.Module] = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("get_attr", "call_module"):
+            continue
+        path = str(node.target) if node.op == "call_module" else str(node.target).rpartition(".")[0]
+        try:
+            module = gm.get_submodule(path)
+        except AttributeError:
+            return gm  # a target that is not a module path: save everything, as before
+        if module is gm:
+            return gm  # the graph module's own attributes (and so every submodule's): save everything
+        owners.setdefault(id(module), module)
+    holder = nn.Module()
+    holder._modules = {str(i): m for i, m in enumerate(owners.values())}  # type: ignore[assignment]
+    return holder

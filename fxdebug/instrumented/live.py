@@ -33,6 +33,7 @@ from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.staleness import global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
 from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare, quiet_warnings
+from fxdebug.capture.dynamo_regions import is_region_break
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.trace_info import TraceInfo
 from fxdebug.errors import FxDebugError, TraceError, UsageError
@@ -372,7 +373,7 @@ class LiveInstrumented(Instrumented):
         notes.append(backend_note(self._live_state.parts))
         seen: set[tuple[str, str]] = set()
         for g in graphs:
-            if g.graph_break and (g.where, g.reason) not in seen:
+            if g.graph_break and (g.where, g.reason) not in seen and not is_region_break(g.reason):
                 seen.add((g.where, g.reason))
                 notes.append(f"dynamo: graph break at {g.where or '?'}: the code from there to the next graph ran "
                              f"eagerly, unobserved; Dynamo's reason: {g.reason.split(' Hint:')[0][:300]}")

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 from fxdebug.capture.dynamo_names import root_codes
 from fxdebug.capture.dynamo_skips import BREAKS, SKIPPED, Skip, recorded_breaks, recorded_skips
+from fxdebug.capture.dynamo_regions import is_region_break
+from fxdebug.instrumented.live_regions import NotShared, forget_entry, routed_regions
 from fxdebug.instrumented.live_skipped_modules import find_skipped_modules, routed_skipped_modules
 from fxdebug.instrumented.live_snapshots import add_note, skip_note, snapshot_of
 
@@ -39,7 +41,17 @@ def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     state = live._live_state
     state.sites.graphs_this_call = 0
     with routed_skipped_modules(live), recorded_skips() as skips, recorded_breaks(type(live._model)):
-        out = entry(*args, **kwargs)
+        captured = len(state.parts)
+        try:
+            with routed_regions(live):
+                out = entry(*args, **kwargs)
+        except NotShared:  # instrument()'s example call: a group of blocks needs a graph each: captured inlined
+            for graph in list(state.parts)[captured:]:  # the parts of the abandoned try
+                del state.parts[graph]
+            forget_entry(live._model)  # the entry's graphs broke at every block: traced again, blocks inlined
+            state.sites = type(state.sites)()
+            with routed_regions(live):
+                out = entry(*args, **kwargs)
     notes = live.trace_info.notes
     _note_breaks(live, notes)
     for note in state.sites.capped.values():  # (capture/dynamo_sites.py)
@@ -67,6 +79,8 @@ def _note_breaks(live: Any, notes: list[str]) -> None:
         return
     ends = {g.where.split(" ", 1)[0] for g in live.graphs() if getattr(g, "where", "")}
     for b in known:
+        if is_region_break(b.reason):  # a region's boundary (live_regions), named in its own note
+            continue
         if f"{os.path.basename(b.file)}:{b.line}" not in ends:
             add_note(notes, f"dynamo: graph break at {b.where}: the code from there to the next graph ran eagerly, "
                             f"unobserved (no graph ends there); Dynamo's reason: {b.reason[:300]}")

@@ -90,6 +90,13 @@ class LiveState:
     region_routes: dict[int, list[tuple[Any, Any]]] = field(default_factory=dict)
     """``id(compiler)`` -> ``(module, route)`` for each region: the instance ``forward`` set for one call, entering
     the region's function compiled with fxdebug's backend for that compiler (eager, Inductor, an outer compile's)."""
+    region_seen: dict[Any, set[int]] = field(default_factory=dict)
+    """Group key -> ``id`` of the instances that ran its region so far, while it is not known to share one graph."""
+    region_fresh: dict[Any, int] = field(default_factory=dict)
+    """Group key -> instances after the first that needed a graph of their own (three: the group is captured
+    inlined from then on)."""
+    region_shared: set[Any] = field(default_factory=set)
+    """Groups whose second instance ran the first one's graph: their calls are no longer checked."""
 
 
 def live_state(module: Any) -> LiveState | None:

@@ -1,0 +1,136 @@
+"""Regional capture (issue 33): a repeated block is traced once by Dynamo, each instance keeps its own rows, and the
+instrumented model stays the model (outputs, gradients, a replaced block, another mode)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import fxdebug
+from fxdebug.capture.dynamo_regions import REGION_NAME, find_regions
+from fxdebug.passes import NaNCheck, ShapeAssert, StatCollector
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, p: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.relu(self.fc1(self.norm(x)))))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 32, d: int = 8, p: float = 0.0) -> None:
+        super().__init__()
+        self.emb = nn.Linear(d, d)
+        self.layers = nn.ModuleList(Block(d, p) for _ in range(n))
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.emb(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _block_graphs(dbg: fxdebug.Instrumented) -> set[object]:
+    """The graphs Dynamo handed over for the block's region (one per trace; call sites share their base)."""
+    return {getattr(g, "base", None) or g for g in dbg.graphs() if REGION_NAME + "Block" in g.code}
+
+
+def test_a_32_layer_model_traces_its_block_once_and_keeps_a_row_per_layer() -> None:
+    torch.manual_seed(0)
+    model = Stack(32)
+    x = torch.randn(2, 8)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector(), ShapeAssert()], x, frontend="dynamo")
+    assert len(_block_graphs(dbg)) == 1  # Dynamo traced the block's code once for the 32 layers
+    assert torch.equal(dbg(x), model(x))
+    rows = {(r["module"], r["op"]): r for r in dbg.report().rows}
+    for i in range(32):
+        row = rows[(f"layers.{i}.fc1", "torch.linear")]
+        assert row["calls"] == 1 and row["shape"] == (2, 16)
+    # each layer's statistics are its own: two layers' fc1 outputs differ
+    assert rows[("layers.0.fc1", "torch.linear")]["mean"] != rows[("layers.31.fc1", "torch.linear")]["mean"]
+    assert any("regional capture: 32 repeated block(s)" in n for n in dbg.report().notes)
+    assert not any("graph break at module.py" in n for n in dbg.report().notes)  # the regions' own boundaries
+
+
+def test_gradients_and_a_replaced_block_are_the_models() -> None:
+    torch.manual_seed(1)
+    model = Stack(6)
+    twin = Stack(6)
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(3, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="dynamo")
+    dbg(x).sum().backward()
+    twin(x).sum().backward()
+    for (name, a), b in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    new = Block(8)
+    model.layers[3] = new  # the live model: the next call runs the new block
+    twin.layers[3] = new
+    with torch.no_grad():
+        assert torch.equal(dbg(x), twin(x))
+
+
+def test_model_train_retraces_the_block_once_not_per_layer() -> None:
+    torch.manual_seed(2)
+    model = Stack(8, p=0.5).eval()
+    x = torch.randn(2, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="dynamo")
+    assert len(_block_graphs(dbg)) == 1
+    model.train()
+    torch.manual_seed(3)
+    out = dbg(x)
+    torch.manual_seed(3)
+    assert torch.equal(out, model(x))  # dropout draws the model's own numbers
+    assert len(_block_graphs(dbg)) == 2  # one more trace of the block for train mode, for all eight layers
+
+
+def test_two_structures_of_one_class_are_two_groups_and_unrepeated_models_have_no_regions() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Sequential(*[Block(8) for _ in range(3)])
+            self.b = nn.Sequential(*[Block(4) for _ in range(3)])
+            self.proj = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.proj(self.a(x)))
+
+    model = Two()
+    regions = find_regions(model)
+    assert regions.blocks == 6 and len(set(regions.paths.values())) == 2
+    x = torch.randn(2, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="dynamo")
+    assert torch.equal(dbg(x), model(x))
+    # one trace per structure, and one more for the model's first block, whose input needs no gradient (Dynamo
+    # guards requires_grad); the other five blocks reuse those graphs
+    assert len(_block_graphs(dbg)) == 3
+    assert not find_regions(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+
+
+def test_a_block_taking_a_cache_object_is_not_a_region() -> None:
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:
+            return self.fc(x)
+
+    model = nn.Sequential(*[Cached() for _ in range(5)])
+    assert not find_regions(model)  # a per-layer cache slot would make Dynamo trace every instance on its own
+
+
+def test_regions_off_captures_inlined(monkeypatch: object) -> None:
+    monkeypatch.setenv("FXDEBUG_REGIONS", "0")  # type: ignore[attr-defined]
+    model = Stack(4)
+    x = torch.randn(2, 8)
+    dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="dynamo")
+    assert not _block_graphs(dbg)
+    assert torch.equal(dbg(x), model(x))
