@@ -2,7 +2,9 @@
 
 ``trace`` picks a frontend (``frontends/``) and returns what every frontend returns, an
 ``Instrumented`` module; ``instrument`` traces and runs the pass pipeline (``run_pipeline``) over
-each of its ``parts()``; ``render`` draws any module, tracing a plain one first. Nothing here
+each of its ``parts()`` (the live Dynamo frontend's module and capture call: ``instrumented/live_instrument``);
+``choose_frontend`` is the one choice of frontend for both, with the note why; ``render`` draws any module,
+tracing a plain one first. Nothing here
 knows which frontend made a module: the parts say it.
 """
 
@@ -15,25 +17,22 @@ import time
 from typing import Any, Sequence
 
 from torch import nn
-from torch.nn.parameter import UninitializedParameter
 from torch.fx import GraphModule
 
 from fxdebug.report.distributed import unwrap_parallel
 from fxdebug.errors import ArgumentTypeError, FxDebugError, TraceError, UsageError
 from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.dynamo_backends import check_backend
-from fxdebug.capture.torch_logs import summary, torch_errors_caught
 from fxdebug.instrumented.live import LiveInstrumented
+from fxdebug.instrumented.live_instrument import instrument_live
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
 from fxdebug.graph.meta import graph_record
-from fxdebug.authoring.context import NAMESPACE
 from fxdebug.instrumented.snapshot_recipe import remember
 from fxdebug.authoring.pipeline import Pass, validate_passes
 from fxdebug.render.draw import render as draw
-from fxdebug.report.report import Report
-from fxdebug.graph.inputs import clone_inputs, normalize_inputs, preserved_state
-from fxdebug.graph.usage import check_example_inputs, check_options, check_where_matched
+from fxdebug.graph.inputs import normalize_inputs
+from fxdebug.graph.usage import check_example_inputs, check_options
 from fxdebug.instrumented.verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "module_from_capture", "render", "run_pipeline", "trace"]
@@ -92,7 +91,7 @@ def trace(
         return again
     frontend, _ = choose_frontend(model, (), {"frontend": frontend}, "trace")
     if frontend == "dynamo":
-        return _instrument_live(model, [], example_inputs, None, False, time.perf_counter())
+        return instrument_live(model, [], example_inputs, None, False, time.perf_counter())
     inputs = normalize_inputs(example_inputs)
     check_example_inputs(model, inputs)
     options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
@@ -174,7 +173,7 @@ def instrument(
     start = time.perf_counter()
     chosen, why = choose_frontend(model, pass_list, trace_options, "instrument")
     if chosen == "dynamo":
-        return _instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why)
+        return instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why)
     if backend not in (None, "eager"):
         raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
                          f"captured by a snapshot frontend ({why or chosen}): "
@@ -248,67 +247,6 @@ def live_capture(p: Pass) -> bool:
     A pass says so with a ``live_capture`` attribute (docs/writing-passes.md); without one, an observe-only
     pass does and a transform does not (a transform was written for one whole graph of the model)."""
     return bool(getattr(p, "live_capture", p.observe_only))
-
-
-def _instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
-                     check: bool, start: float, backend: str | None = None, why: str = "") -> Instrumented:
-    """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
-    model, unwrapped = unwrap_parallel(model)
-    notes = [n for n in (unwrapped, why) if n]
-    if isinstance(model, LiveInstrumented):
-        passes = [*model._live_state.passes, *passes]
-        backend = backend or model._live_state.backend  # more passes on a compiled live module: compiled too
-        model = model.model
-    elif isinstance(model, Instrumented):
-        raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
-                         f"{model.trace_info.frontend}: instrument the original model instead.")
-    clash = NAMESPACE in model._modules or NAMESPACE in model._parameters or NAMESPACE in model._buffers
-    if clash or NAMESPACE in model.__dict__:
-        raise TraceError(f"{type(model).__name__} has an attribute named '{NAMESPACE}', the name of fxdebug's own namespace "
-                         "in instrumented graphs (its observers and constants live there): rename it, or use "
-                         "frontend='subtrees' (the root stays eager).", module=NAMESPACE, op=type(model).__name__)
-    lazy = [path or type(model).__name__ for path, m in model.named_modules()
-            if any(isinstance(p, UninitializedParameter) for p in m._parameters.values())]
-    if lazy:  # the capture call would materialize them: instrument() never changes the model
-        raise TraceError(f"{type(model).__name__} has lazy module(s) not yet run ({', '.join(lazy[:5])}): capturing would "
-                         "materialize their parameters, changing the model. Run the model once first, then instrument it.",
-                         module=lazy[0], op="lazy module")
-    gm = LiveInstrumented._live(model, passes, prior, notes, backend or "eager")
-    gm.example_inputs = example_inputs  # what gradcheck() and friends default to, as for a snapshot
-    inputs = normalize_inputs(example_inputs)
-    if inputs is not None:
-        check_example_inputs(model, inputs)
-        args, kwargs = clone_inputs(inputs)
-        gm._live_state.capturing_examples = True  # a failure of the model's forward here names the example inputs
-        try:
-            # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
-            with preserved_state(model), torch_errors_caught() as logged:
-                gm(*args, **kwargs)
-            note = summary(logged)
-            if note:
-                gm.trace_info.notes.append(note)
-            for variant in _example_variants(passes):  # further examples a pass asks for (other sizes): captured too
-                more = normalize_inputs(variant)
-                if more is not None:
-                    check_example_inputs(model, more)
-                    more_args, more_kwargs = clone_inputs(more)
-                    with preserved_state(model):
-                        gm(*more_args, **more_kwargs)
-        finally:
-            gm._live_state.capturing_examples = False
-        gm.reset()
-        check_where_matched(passes, gm.parts(), prefixed=False)
-    graph_record(gm).instrument_seconds = time.perf_counter() - start
-    if check:
-        verify(gm, example_inputs).raise_if_failed()
-    return gm
-
-
-def _example_variants(passes: list[Pass]) -> list[Any]:
-    """Example inputs a pass asks a live module to capture besides ``example_inputs`` (its
-    ``example_variants``: another batch size or sequence length); a snapshot frontend's pass runs them
-    on its one graph itself."""
-    return [v for p in passes for v in getattr(p, "example_variants", ()) or ()]
 
 
 def render(model_or_gm: nn.Module, path: str, example_inputs: Any = None, **options: Any) -> str:
