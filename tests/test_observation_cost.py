@@ -135,3 +135,18 @@ def test_compiled_backward_through_the_direct_graph_observes_gradients() -> None
     assert any(r.get("phase") == "grad" or "grad_mean" in r or any(k.startswith("grad") for k in r) for r in rows)
     up = dict(dbg.model.named_parameters())["up.weight"]
     torch.testing.assert_close(up.grad / 2, dict(reference.named_parameters())["up.weight"].grad)
+
+
+def test_reset_between_compiled_calls_counts_afresh() -> None:
+    x = _x()
+    dbg = fxdebug.instrument(_model(), [NaNCheck(), StatCollector()], example_inputs=(x,))
+    compiled = torch.compile(dbg)
+    with torch.no_grad():
+        compiled(x)
+        compiled(x)
+        dbg.reset()  # a fresh state table: the directly compiled graph takes it as its input
+        out = compiled(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, torch.compile(_model())(x))
+    counted = [r["calls"] for r in dbg.report().rows if "calls" in r]
+    assert counted and all(c == 1 for c in counted)
