@@ -22,6 +22,7 @@ from fxdebug.errors import TraceError, UsageError
 from fxdebug.graph.inputs import clone_inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import graph_record
 from fxdebug.graph.usage import check_example_inputs, check_where_matched
+from fxdebug.instrumented.live_regions import without_regions
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.module import Instrumented
 from fxdebug.instrumented.verify import verify
@@ -59,30 +60,41 @@ def instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, p
     inputs = normalize_inputs(example_inputs)
     if inputs is not None:
         check_example_inputs(model, inputs)
-        args, kwargs = clone_inputs(inputs)
-        gm._live_state.capturing_examples = True  # a failure of the model's forward here names the example inputs
         try:
-            # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
-            with preserved_state(model), torch_errors_caught() as logged:
-                gm(*args, **kwargs)
-            note = summary(logged)
-            if note:
-                gm.trace_info.notes.append(note)
-            for variant in _example_variants(passes):  # further examples a pass asks for (other sizes): captured too
-                more = normalize_inputs(variant)
-                if more is not None:
-                    check_example_inputs(model, more)
-                    more_args, more_kwargs = clone_inputs(more)
-                    with preserved_state(model):
-                        gm(*more_args, **more_kwargs)
-        finally:
-            gm._live_state.capturing_examples = False
-        gm.reset()
-        check_where_matched(passes, gm.parts(), prefixed=False)
+            _capture_examples(gm, model, passes, inputs)
+        except UsageError:
+            # a pass names a module whose output only the inlined capture has (a stage holding repeated blocks):
+            if not without_regions(gm):  # captured again with every block inlined
+                raise
+            _capture_examples(gm, model, passes, inputs)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:
         verify(gm, example_inputs).raise_if_failed()
     return gm
+
+
+def _capture_examples(gm: LiveInstrumented, model: nn.Module, passes: list[Pass], inputs: Any) -> None:
+    """The quiet call (or calls) on the example inputs that captures the first graphs; the passes' selectors checked."""
+    args, kwargs = clone_inputs(inputs)
+    gm._live_state.capturing_examples = True  # a failure of the model's forward here names the example inputs
+    try:
+        # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
+        with preserved_state(model), torch_errors_caught() as logged:
+            gm(*args, **kwargs)
+        note = summary(logged)
+        if note:
+            gm.trace_info.notes.append(note)
+        for variant in _example_variants(passes):  # further examples a pass asks for (other sizes): captured too
+            more = normalize_inputs(variant)
+            if more is not None:
+                check_example_inputs(model, more)
+                more_args, more_kwargs = clone_inputs(more)
+                with preserved_state(model):
+                    gm(*more_args, **more_kwargs)
+    finally:
+        gm._live_state.capturing_examples = False
+    gm.reset()
+    check_where_matched(passes, gm.parts(), prefixed=False)
 
 
 def _example_variants(passes: list[Pass]) -> list[Any]:

@@ -28,7 +28,7 @@ from fxdebug.capture.dynamo_regions import ENTER, Regions, find_regions, region_
 from fxdebug.instrumented.live_call import outer_now
 from fxdebug.instrumented.live_snapshots import add_note
 
-__all__ = ["NotShared", "forget_entry", "routed_regions"]
+__all__ = ["NotShared", "forget_entry", "routed_regions", "without_regions"]
 
 
 def _enabled() -> bool:
@@ -190,3 +190,18 @@ def forget_entry(model: Any) -> None:
     code = _ENTRY_CODES.get(type(model))
     if code is not None:
         torch._dynamo.eval_frame.reset_code(code)
+
+
+def without_regions(live: Any) -> bool:
+    """Turn regional capture off for ``live`` and forget what it captured; ``False`` when it had no regions."""
+    state = live._live_state
+    if not state.regions:
+        return False
+    state.regions = Regions({}, 0, 0)
+    state.region_routes.clear()
+    state.parts.clear()
+    state.sites = type(state.sites)()
+    forget_entry(live._model)
+    add_note(live.trace_info.notes, "dynamo: regional capture off: a pass names a module whose output only the "
+                                    "inlined capture has (a stage holding repeated blocks): every block is inlined")
+    return True
