@@ -5,12 +5,13 @@ the whole model, or an eager root routing to captured submodules); ``run_pipelin
 passes over every part, each on the inputs that part is called with, through the one pass runner
 (``authoring.run_part``, which the live capture's graphs go through too). ``recapture`` is both
 together, for a module that must be captured again by the frontend it was made with (another
-training mode: ``modes``; a call of another signature: ``recapture``). The ``Recipe`` those
-modules keep is data (model, frontend, inputs, options, passes) and this function, on their own
-floor, so no lower module calls up into ``api.py``.
+training mode, attribute value or call signature: ``snapshot_cache``). The ``Recipe`` it keeps
+(``snapshot_recipe``) is data (model, frontend, inputs, options, passes) and this function, on their
+own floor, so no lower module calls up into ``api.py``.
 
-Import order inside ``instrumented/``: ``modes`` → ``module`` → ``subtrees`` → ``pipeline``;
-``modes`` never imports this module (it is given ``recapture`` by whoever records a recipe).
+Import order inside ``instrumented/``: ``snapshot_recipe`` → ``module`` → ``snapshot_cache`` →
+``subtree_module`` → ``pipeline``; ``snapshot_recipe`` never imports this module (it is given
+``recapture`` by whoever records a recipe).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from fxdebug.capture.subtrees import SubtreesFrontend
 from fxdebug.errors import MissingInputsError
 from fxdebug.graph.inputs import Inputs, normalize_inputs
 from fxdebug.graph.usage import check_example_inputs, check_where_matched
-from fxdebug.instrumented.modes import remember
+from fxdebug.instrumented.snapshot_recipe import remember
 from fxdebug.instrumented.module import Instrumented
-from fxdebug.instrumented.subtrees import subtrees_module
+from fxdebug.instrumented.subtree_module import subtrees_module
 from fxdebug.report.report import Report
 
 __all__ = ["FRONTENDS", "capture_module", "module_from_capture", "recapture", "run_pipeline"]
