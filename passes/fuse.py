@@ -268,7 +268,8 @@ def _observes_only(user: Node) -> bool:
 
 def _bn_module(gm: GraphModule, bn_node: Node) -> Any:
     """The BatchNorm module whose running statistics an ``aten.batch_norm`` call reads."""
-    mean = bn_node.args[3] if len(bn_node.args) > 3 else None
+    live = live_batch_norm_reads(bn_node)  # F.batch_norm (Dynamo): running_mean is its second argument
+    mean = live["running_mean"] if live is not None else bn_node.args[3] if len(bn_node.args) > 3 else None
     if not isinstance(mean, Node) or mean.op != "get_attr":
         return None
     owner = gm.get_submodule(str(mean.target).rpartition(".")[0])

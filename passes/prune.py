@@ -141,7 +141,7 @@ class PruneMasks(Pass):
         self.prune_outputs = bool(prune_outputs)
         # what the functional graphs of a live capture cannot do yet (``_refuse_export``; a grad loss sees Dynamo's
         # output tuple): instrument()'s auto choice captures a snapshot for these
-        if bake or importance != "magnitude":
+        if bake or structured or importance != "magnitude":  # channels there: a feed-forward block's only
             self.live_capture = False
 
     # -- what to prune --------------------------------------------------------------------------

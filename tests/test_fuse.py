@@ -13,6 +13,16 @@ import fxdebug
 from fxdebug.passes import Fuse, PruneMasks, StatCollector, SwapActivation
 from zoo import ZOO
 
+
+@pytest.fixture(autouse=True)
+def _snapshot_auto(monkeypatch):
+    """These tests pin the snapshot transforms (dbg.graph, module-level structure, shrink): frontend="auto" stays on the
+    snapshot chain here, as it was when they were written; the live transforms are tests/test_live_transforms.py."""
+    import fxdebug.api
+
+    monkeypatch.setattr(fxdebug.api, "AUTO_IS_LIVE", False)
+
+
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
 

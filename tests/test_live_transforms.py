@@ -138,3 +138,31 @@ def test_to_module_of_a_live_transform_carries_it(make):
     if make is TRANSFORMS[2]:  # the fold is in the plain module, of the weights loaded after instrument()
         assert "self.bn" not in plain.code and "batch_norm" not in plain.code
         torch.testing.assert_close(plain(X), _net(5)(X), rtol=1e-5, atol=1e-5)
+
+
+def _pair(kind: str):
+    torch.manual_seed(0)
+    pairs = {
+        "conv_no_bias": (nn.Sequential(nn.Conv2d(3, 6, 3, bias=False), nn.BatchNorm2d(6)), torch.randn(2, 3, 6, 6)),
+        "linear": (nn.Sequential(nn.Linear(5, 6), nn.BatchNorm1d(6)), torch.randn(4, 5)),
+        "grouped_transpose": (nn.Sequential(nn.ConvTranspose2d(4, 6, 3, groups=2), nn.BatchNorm2d(6)),
+                              torch.randn(2, 4, 5, 5)),
+        "bn_without_affine": (nn.Sequential(nn.Conv1d(3, 6, 3), nn.BatchNorm1d(6, affine=False)), torch.randn(2, 3, 7)),
+    }
+    model, x = pairs[kind]
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    return model.eval(), x
+
+
+@pytest.mark.parametrize("kind", ["conv_no_bias", "linear", "grouped_transpose", "bn_without_affine"])
+def test_live_fuse_folds_each_kind_of_pair(kind):
+    model, x = _pair(kind)
+    dbg = fxdebug.instrument(model, [Fuse(), StatCollector()], (x,), frontend="dynamo")
+    assert any("folded in the graph" in n for n in _fuse_notes(dbg)), _fuse_notes(dbg)
+    snap = fxdebug.instrument(_pair(kind)[0], [Fuse()], (x,), frontend="symbolic")
+    torch.testing.assert_close(dbg(x), snap(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        model[1].running_var.mul_(2)  # the live fold reads the statistics as they are now
+    torch.testing.assert_close(dbg(x), model(x), rtol=1e-5, atol=1e-5)

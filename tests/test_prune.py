@@ -15,6 +15,16 @@ from fxdebug.passes.prune_groups import channel_groups
 from zoo import ZOO
 
 
+@pytest.fixture(autouse=True)
+def _snapshot_auto(monkeypatch):
+    """These tests pin the snapshot transforms (dbg.graph, module-level structure, shrink): frontend="auto" stays on the
+    snapshot chain here, as it was when they were written; the live transforms are tests/test_live_transforms.py."""
+    import fxdebug.api
+
+    monkeypatch.setattr(fxdebug.api, "AUTO_IS_LIVE", False)
+
+
+
 def _masks(dbg):
     out = {}
     for n in dbg.graph.nodes:

@@ -11,6 +11,16 @@ import fxdebug
 from fxdebug.passes import StatCollector, SwapActivation
 from zoo import ZOO
 
+
+@pytest.fixture(autouse=True)
+def _snapshot_auto(monkeypatch):
+    """These tests pin the snapshot transforms (dbg.graph, module-level structure, shrink): frontend="auto" stays on the
+    snapshot chain here, as it was when they were written; the live transforms are tests/test_live_transforms.py."""
+    import fxdebug.api
+
+    monkeypatch.setattr(fxdebug.api, "AUTO_IS_LIVE", False)
+
+
 FORMS = ["module", "module_inplace", "F", "F_inplace", "torch", "torch_", "method", "method_"]
 
 
