@@ -118,7 +118,7 @@ class PruneMasks(Pass):
 
     name = "prune-masks"
     # works on the live (Dynamo) capture: the masks multiply the weights as the graph reads them, at every call
-    live_capture = True
+    live_capture = False  # works on the live capture (frontend="dynamo"); "auto" keeps the snapshot in this release
 
     def __init__(self, amount: float, structured: bool | str = False, scope: str = "global",
                  importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,

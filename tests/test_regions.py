@@ -9,6 +9,12 @@ from torch import nn
 import fxdebug
 from fxdebug.capture.dynamo_regions import REGION_NAME, find_regions
 from fxdebug.passes import NaNCheck, ShapeAssert, StatCollector
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _regions_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXDEBUG_REGIONS", "1")  # opt-in in this release
 
 
 class Block(nn.Module):

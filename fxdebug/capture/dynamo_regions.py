@@ -77,7 +77,7 @@ def _shareable_signature(cls: type) -> bool:
     found = _SIGNATURES.get(cls)
     if found is None:
         try:
-            names = set(inspect.signature(cls.forward).parameters)
+            names = set(inspect.signature(getattr(cls, "forward")).parameters)
         except (TypeError, ValueError):
             names = set()
         found = _SIGNATURES[cls] = not (names & _PER_LAYER_STATE)

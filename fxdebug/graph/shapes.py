@@ -173,5 +173,5 @@ def _touched(gm: GraphModule) -> nn.Module:
             return gm  # the graph module's own attributes (and so every submodule's): save everything
         owners.setdefault(id(module), module)
     holder = nn.Module()
-    holder._modules = {str(i): m for i, m in enumerate(owners.values())}  # type: ignore[assignment]
+    holder._modules = {str(i): m for i, m in enumerate(owners.values())}
     return holder

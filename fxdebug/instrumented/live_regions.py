@@ -10,8 +10,7 @@ instance needs its own graph (another shape, a config value its code reads). Eac
 its own part and rows: the call-site look-up names a region's graph by the module whose call ran it
 (``capture/dynamo_sites.py``), so ``model.layers.17.mlp.down_proj`` keeps its rows.
 
-``FXDEBUG_REGIONS=0`` (or ``LiveState.regions`` set to an empty ``Regions``) captures every block
-inlined, as before.
+Opt-in in this release: ``FXDEBUG_REGIONS=1`` turns it on (off, every block is captured inlined, as before).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ __all__ = ["NotShared", "forget_entry", "routed_regions", "without_regions"]
 
 
 def _enabled() -> bool:
-    return os.environ.get("FXDEBUG_REGIONS", "1") not in ("0", "off", "false", "no")
+    return os.environ.get("FXDEBUG_REGIONS", "0") not in ("0", "off", "false", "no")  # opt-in in this release
 
 
 class routed_regions:  # noqa: N801 - a context manager, used as a function

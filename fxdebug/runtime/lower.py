@@ -191,12 +191,12 @@ def lower_observers(gm: GraphModule) -> int:
                 tap = graph.call_function(observe_grad_op(), (x, clock_node, *obs.fused_rows["grad"]))
             tap.meta.update({k: v for k, v in node.meta.items() if k != _KEY})
             fx_meta(tap).update(fx_meta(node), observer=target, phase="grad")
-        numel = _numel(x)
-        if numel is not None:
-            if pending and held[0] + numel > BATCH_TOTAL:
+        size = _numel(x)
+        if size is not None:
+            if pending and held[0] + size > BATCH_TOTAL:
                 flush()
             pending.append((node, x, rows, target, tap))
-            held[0] += numel
+            held[0] += size
             if len(pending) == BATCH_MAX:
                 flush()
         else:
