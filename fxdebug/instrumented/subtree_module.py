@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.fx import Graph
 from torch.utils import _pytree as pytree
 
+from fxdebug.graph.module_sharing import CALL_HOOKS
 from fxdebug.capture.base import Capture
 from fxdebug.capture.faithful import sync_attributes, sync_tensors
 from fxdebug.capture.faithful_reads import would_take_fast_path
@@ -46,13 +47,11 @@ def _shell(module: nn.Module) -> nn.Module:
     return shell
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _unhooked(part: Instrumented) -> Instrumented:
     """The part runs inside its module's own call, which runs the module's hooks: the part runs none."""
-    for name in _HOOK_DICTS:
+    for name in CALL_HOOKS:
         if name in part.__dict__:
             object.__setattr__(part, name, OrderedDict())
     return part
