@@ -15,7 +15,8 @@ Two public surfaces: ``fxdebug`` (this module; ``__all__`` is the user API, pinn
 tests/test_public_api.py) and ``fxdebug.authoring`` (the pass-author API: probes, columns, node
 metadata, selection, rewriting). Built-in passes live in ``fxdebug.passes``; ``fxdebug.plot``,
 ``fxdebug.numerics`` and ``fxdebug.when`` are public subpackages. Every other module is private
-implementation. Pass-author names are still attributes here for older code.
+implementation; a pass-author name (``Probe``, ``describe``, ``replace_pattern``, ...) is imported from
+``fxdebug.authoring``, not from here.
 """
 
 # Every public name is loaded on first use (PEP 562): ``import fxdebug`` costs ``import torch`` and
@@ -28,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fxdebug.numerics.collect import collect
-    from fxdebug.runtime.columns import COLOR, HIDDEN, NONFINITE, ORIGIN, VALUE, Column
-    from fxdebug.authoring.context import PassContext, TensorSpec
+    from fxdebug.runtime.columns import Column
+    from fxdebug.authoring.context import PassContext
     from fxdebug.errors import ArgumentTypeError, DeviceMismatchError, DistributedError, FxDebugError, InplaceError, MissingInputsError, NonFiniteError, PassError, ShapeMismatchError, TraceError, UsageError, VerificationError
     from fxdebug.numerics.gradcheck import GradcheckResult, gradcheck
     from fxdebug import when
@@ -42,15 +43,10 @@ if TYPE_CHECKING:
     from fxdebug.numerics import diff, precision_plan, repro
     from fxdebug.numerics.align import Alignment, align
     from fxdebug.graph.module_outputs import outputs_of
-    from fxdebug.graph.meta import describe, fx_meta, is_instrumentation, module_path, module_type, op_label, source_line
-    from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
-    from fxdebug.graph.classify import get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
     from fxdebug.authoring.pipeline import Pass, PassManager, PassResult, graph_pass, node_pass
     from fxdebug.report.report import Report
     from fxdebug import plot
     from fxdebug.numerics.sensitivity import Sensitivity, sensitivity
-    from fxdebug.authoring.rewrite import Match, Replacement, find_pattern, keep_state, node_values, replace_pattern
-    from fxdebug.graph.select import Where, matches
     from fxdebug.capture.symbolic import Inputs
     from fxdebug.capture.trace_info import LeafInfo, TraceInfo
     from fxdebug.instrumented.verify import Verification, verify
@@ -59,85 +55,47 @@ if TYPE_CHECKING:
 _LAZY: dict[str, str] = {
     "Alignment": "fxdebug.numerics.align",
     "ArgumentTypeError": "fxdebug.errors",
-    "COLOR": "fxdebug.runtime.columns",
     "Column": "fxdebug.runtime.columns",
     "DeviceMismatchError": "fxdebug.errors",
     "DistributedError": "fxdebug.errors",
-    "FusedProbe": "fxdebug.runtime.observer",
-    "FusedStats": "fxdebug.runtime.observer",
     "FxDebugError": "fxdebug.errors",
     "GradcheckResult": "fxdebug.numerics.gradcheck",
-    "HIDDEN": "fxdebug.runtime.columns",
     "InplaceError": "fxdebug.errors",
     "Inputs": "fxdebug.capture.symbolic",
     "Instrumented": "fxdebug.instrumented.module",
     "LeafInfo": "fxdebug.capture.trace_info",
-    "Match": "fxdebug.authoring.rewrite",
     "MissingInputsError": "fxdebug.errors",
-    "NONFINITE": "fxdebug.runtime.columns",
     "NonFiniteError": "fxdebug.errors",
-    "ORIGIN": "fxdebug.runtime.columns",
-    "ObservationContext": "fxdebug.runtime.observer",
-    "Observer": "fxdebug.runtime.observer",
     "Pass": "fxdebug.authoring.pipeline",
     "PassContext": "fxdebug.authoring.context",
     "PassError": "fxdebug.errors",
     "PassManager": "fxdebug.authoring.pipeline",
     "PassResult": "fxdebug.authoring.pipeline",
-    "Probe": "fxdebug.runtime.observer",
-    "Reductions": "fxdebug.runtime.observer",
     "RenderOptions": "fxdebug.render.draw",
-    "Replacement": "fxdebug.authoring.rewrite",
     "Report": "fxdebug.report.report",
-    "SAMPLE": "fxdebug.runtime.observer",
     "Sensitivity": "fxdebug.numerics.sensitivity",
     "ShapeMismatchError": "fxdebug.errors",
-    "TensorSpec": "fxdebug.authoring.context",
     "TraceError": "fxdebug.errors",
     "TraceInfo": "fxdebug.capture.trace_info",
     "UsageError": "fxdebug.errors",
-    "VALUE": "fxdebug.runtime.columns",
     "Verification": "fxdebug.instrumented.verify",
     "VerificationError": "fxdebug.errors",
-    "Where": "fxdebug.graph.select",
     "align": "fxdebug.numerics.align",
     "authoring": "fxdebug.authoring",
     "collect": "fxdebug.numerics.collect",
-    "describe": "fxdebug.graph.meta",
     "diff": "fxdebug.numerics",
-    "find_pattern": "fxdebug.authoring.rewrite",
-    "fx_meta": "fxdebug.graph.meta",
-    "get_module": "fxdebug.graph.classify",
     "gradcheck": "fxdebug.numerics.gradcheck",
     "graph_pass": "fxdebug.authoring.pipeline",
     "guard": "fxdebug.training.guard",
     "instrument": "fxdebug.api",
-    "is_batchnorm": "fxdebug.graph.classify",
-    "is_conv": "fxdebug.graph.classify",
-    "is_inplace": "fxdebug.graph.classify",
-    "is_instrumentation": "fxdebug.graph.meta",
-    "is_kind": "fxdebug.graph.classify",
-    "is_linear": "fxdebug.graph.classify",
-    "is_relu": "fxdebug.graph.classify",
-    "is_view": "fxdebug.graph.classify",
-    "keep_state": "fxdebug.authoring.rewrite",
-    "matches": "fxdebug.graph.select",
-    "module_path": "fxdebug.graph.meta",
-    "module_type": "fxdebug.graph.meta",
     "node_pass": "fxdebug.authoring.pipeline",
-    "node_values": "fxdebug.authoring.rewrite",
     "numerics": "fxdebug.numerics",
-    "op_label": "fxdebug.graph.meta",
     "outputs_of": "fxdebug.graph.module_outputs",
     "plot": "fxdebug.plot",
     "precision_plan": "fxdebug.numerics",
-    "register_kind": "fxdebug.graph.classify",
     "render": "fxdebug.api",
-    "replace_pattern": "fxdebug.authoring.rewrite",
     "repro": "fxdebug.numerics",
     "sensitivity": "fxdebug.numerics.sensitivity",
-    "source_line": "fxdebug.graph.meta",
-    "systematic_sample": "fxdebug.runtime.observer",
     "to_networkx": "fxdebug.instrumented.networkx",
     "trace": "fxdebug.api",
     "verify": "fxdebug.instrumented.verify",
@@ -151,8 +109,13 @@ def __getattr__(name: str) -> Any:
 
     where = _LAZY.get(name)
     if where is None:  # a subpackage not imported yet (``fxdebug.api``): as an eager package would have it
-        if name.startswith("_") or importlib.util.find_spec(f"fxdebug.{name}") is None:
+        if name.startswith("_"):
             raise AttributeError(f"module 'fxdebug' has no attribute {name!r}")
+        if importlib.util.find_spec(f"fxdebug.{name}") is None:
+            from fxdebug import authoring  # a pass-author name asked of the root says where it lives
+
+            hint = f"; it is a pass-authoring name: from fxdebug.authoring import {name}" if name in authoring.__all__ else ""
+            raise AttributeError(f"module 'fxdebug' has no attribute {name!r}{hint}")
         return importlib.import_module(f"fxdebug.{name}")
     module = importlib.import_module(where)
     value = module if name in _SUBMODULES else getattr(module, name)
@@ -183,6 +146,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Alignment",
     "ArgumentTypeError",
+    "Column",
     "DeviceMismatchError",
     "DistributedError",
     "FxDebugError",

@@ -1,8 +1,8 @@
 """fxdebug's built-in passes, shipped as ``fxdebug.passes``.
 
-Every pass here is written only against fxdebug's public pass-authoring API (``fxdebug.Pass``,
-``PassContext``, ``Probe``, ``PassResult``, the op classifiers, the rewrite helpers) — the same
-API users get for their own passes. Names are imported lazily so that importing one pass does
+Every pass here is written only against fxdebug's public pass-authoring API, ``fxdebug.authoring``
+(``Pass``, ``PassContext``, ``Probe``, ``PassResult``, the op classifiers, the rewrite helpers), and
+the user API's errors — the same API users get for their own passes (tests/test_public_api.py). Names are imported lazily so that importing one pass does
 not import them all.
 """
 

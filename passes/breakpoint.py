@@ -26,8 +26,11 @@ from torch import nn
 from torch.fx import GraphModule
 
 import fxdebug
-from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import GUARD, Options, is_instrumentation, module_path, node_meta, op_label, source_line
+from fxdebug import UsageError
+from fxdebug.authoring import (
+    GUARD, Options, Pass, PassContext, PassResult, Where, is_instrumentation, module_path, node_meta, op_label,
+    source_line,
+)
 
 __all__ = ["Breakpoint", "BreakpointHit"]
 
@@ -81,7 +84,7 @@ class _BreakpointCall(nn.Module):
         return f"node={self.node_name!r}"
 
 
-class Breakpoint(fxdebug.Pass):
+class Breakpoint(Pass):
     """Call ``action`` (default: the debugger) after the selected nodes when ``when`` holds.
 
     Args:

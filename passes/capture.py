@@ -21,9 +21,11 @@ from typing import Any, Sequence
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-import fxdebug
 from fxdebug import UsageError
-from fxdebug.authoring import ObservationContext, Observer, Options, PassContext, PassResult, Probe, Reductions, Where, node_meta
+from fxdebug.authoring import (
+    ObservationContext, Observer, Options, Pass, PassContext, PassResult, Probe, Reductions, Where, is_inplace,
+    module_path, node_meta,
+)
 
 __all__ = ["Capture"]
 
@@ -45,7 +47,7 @@ class CaptureProbe(Probe):
         return {"captured": tuple(value.shape)} if isinstance(value, Tensor) else {}
 
 
-class Capture(fxdebug.Pass):
+class Capture(Pass):
     """Keep the last activation (and with ``grads=True`` gradient) of the chosen nodes.
 
     Args:
@@ -125,7 +127,7 @@ def _select(nodes: list[Node], request: str) -> list[Node]:
     if exact:
         return exact
     inside = [n for n in nodes if n.op != "placeholder" and
-              (fxdebug.module_path(n) == request or fxdebug.module_path(n).startswith(request + "."))]
+              (module_path(n) == request or module_path(n).startswith(request + "."))]
     if inside:
         return inside[-1:]
     return [n for n in nodes if fnmatch.fnmatchcase(n.name, request)]
@@ -140,10 +142,10 @@ def _written_later(gm: GraphModule, node: Node) -> bool:
     root: dict[Node, Node] = {}
     for n in gm.graph.nodes:
         first = n.args[0] if n.args and isinstance(n.args[0], Node) else None
-        root[n] = root.get(first, first) if first is not None and fxdebug.is_inplace(n, gm) else n
+        root[n] = root.get(first, first) if first is not None and is_inplace(n, gm) else n
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     mine = root[node]
-    return any(fxdebug.is_inplace(m, gm) and root[m] is mine and order[m] > order[node] for m in gm.graph.nodes)
+    return any(is_inplace(m, gm) and root[m] is mine and order[m] > order[node] for m in gm.graph.nodes)
 
 
 def _observer_of(gm: GraphModule, node: Node) -> Observer:

@@ -25,11 +25,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
 from .derived import mark_derived
 from .fuse_live import folded_bias, folded_weight, live_batch_norm_reads
-from fxdebug import Match, Pass, PassContext, PassError, PassResult, describe, find_pattern, node_values, replace_pattern
-from fxdebug.authoring import INSTRUMENTATION, Options, get_attr, is_instrumentation, node_meta
+from fxdebug import PassError
+from fxdebug.authoring import (
+    INSTRUMENTATION, Match, Options, Pass, PassContext, PassResult, Where, describe, find_pattern, get_attr,
+    is_batchnorm, is_conv, is_instrumentation, is_linear, node_meta, node_values, replace_pattern,
+)
 
 __all__ = ["Fuse", "fold_batchnorm"]
 
@@ -85,7 +87,7 @@ class Fuse(Pass):
     # works on the live (Dynamo) capture: the fold is computed in the graph from the live reads (fuse_live.py)
     live_capture = False  # works on the live capture (frontend="dynamo"); "auto" keeps the snapshot in this release
 
-    def __init__(self, *, atol: float = 1e-4, rtol: float = 1e-4, where: fxdebug.Where = None) -> None:
+    def __init__(self, *, atol: float = 1e-4, rtol: float = 1e-4, where: Where = None) -> None:
         super().__init__(where=where)
         opts = Options(self)
         self.atol, self.rtol = opts.number("atol", atol, low=0), opts.number("rtol", rtol, low=0)
@@ -283,9 +285,9 @@ def _aten_pairs(gm: GraphModule, ctx: PassContext) -> list[tuple[Node, Node]]:
     pairs = []
     for bn in selected:
         src = bn.args[0] if bn.args else None
-        if not fxdebug.is_batchnorm(bn, gm) or not isinstance(src, Node) or src not in selected:
+        if not is_batchnorm(bn, gm) or not isinstance(src, Node) or src not in selected:
             continue
-        if not (fxdebug.is_conv(src, gm) or fxdebug.is_linear(src, gm)) or len(src.args) < 2:
+        if not (is_conv(src, gm) or is_linear(src, gm)) or len(src.args) < 2:
             continue
         w = src.args[1]
         if isinstance(w, Node) and w.op == "get_attr" and str(w.target).endswith(".weight"):

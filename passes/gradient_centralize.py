@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import describe, fx_meta, get_module, is_conv, is_linear, module_path
+from fxdebug import UsageError
+from fxdebug.authoring import (
+    Pass, PassContext, PassResult, Where, describe, fx_meta, get_module, is_conv, is_linear, module_path,
+)
 
 __all__ = ["GradientCentralize", "centralize", "centralized_weight"]
 
@@ -80,7 +81,7 @@ class _CentralizedCall(nn.Module):
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-class GradientCentralize(fxdebug.Pass):
+class GradientCentralize(Pass):
     """Centralise the weight gradients of the selected conv/linear modules.
 
     Args:

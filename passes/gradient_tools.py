@@ -23,9 +23,10 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import PassContext, PassResult, UsageError, Where
-from fxdebug.authoring import GUARD, Options, get_attr, node_meta
+from fxdebug import UsageError
+from fxdebug.authoring import (
+    GUARD, Options, Pass, PassContext, PassResult, Where, get_attr, is_instrumentation, node_meta,
+)
 
 __all__ = ["Freeze", "GradientScale"]
 
@@ -56,13 +57,13 @@ def _exits(nodes: list[Node]) -> list[Node]:
     chosen = set(nodes)
     out = []
     for n in nodes:
-        users = [u for u in n.users if not fxdebug.is_instrumentation(u)]
+        users = [u for u in n.users if not is_instrumentation(u)]
         if any(u.op == "output" or u not in chosen for u in users):
             out.append(n)
     return out
 
 
-class GradientScale(fxdebug.Pass):
+class GradientScale(Pass):
     """Multiply the gradient flowing back through the selected values by ``factor``.
 
     ``factor=-1`` is a gradient reversal layer, ``0`` stops the gradient, ``0.1`` damps it. The
@@ -157,7 +158,7 @@ def _module_selected(where: Where, path: str) -> bool:
     return False
 
 
-class Freeze(fxdebug.Pass):
+class Freeze(Pass):
     """Parameters of the selected modules receive no gradient (``.grad`` stays ``None``).
 
     ``requires_grad`` and the optimizer are left alone; gradients still flow *through* the frozen
@@ -183,7 +184,7 @@ class Freeze(fxdebug.Pass):
         changed: list[str] = []
         frozen: set[str] = set()
         for node in list(gm.graph.nodes):
-            if fxdebug.is_instrumentation(node):
+            if is_instrumentation(node):
                 continue
             if node.op == "call_module":
                 target = str(node.target)

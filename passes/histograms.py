@@ -9,7 +9,7 @@ tensor ops). Two open bins catch what falls below and above later, so nothing is
 call adds the bucket counts of the output (an arithmetic bucket index — the bins are uniform —
 and ``bincount``) into a float64 count vector; on tensors above
 65,536 elements the counts come from the same fixed systematic sample the other sampled
-statistics read (``fxdebug.systematic_sample``), so a histogram holds the *shape* of the
+statistics read (``fxdebug.authoring.systematic_sample``), so a histogram holds the *shape* of the
 distribution, and ``num`` says how many values it counted.
 
 Usable on its own (``Histograms()``), or through ``StatCollector(histograms=True)``.
@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-import fxdebug
-from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
-from fxdebug.authoring import Options
+from fxdebug.authoring import (
+    HIDDEN, Column, ObservationContext, Options, Pass, PassContext, PassResult, Probe, Reductions, Where, is_view,
+)
 
 __all__ = ["HistogramProbe", "Histograms"]
 
@@ -100,7 +100,7 @@ class HistogramProbe(Probe):
         }}
 
 
-class Histograms(fxdebug.Pass):
+class Histograms(Pass):
     """Value histograms of every selected node's output (and with ``grads=True`` its gradient).
 
     Args:
@@ -127,7 +127,7 @@ class Histograms(fxdebug.Pass):
         self.grads, self.views = opts.flag("grads", grads), opts.flag("views", views)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
-        skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
+        skip_views = None if self.views else (lambda n: not is_view(n, gm))
         added = [ctx.observe(n, HistogramProbe(self.bins, self.range, self.grads))
                  for n in ctx.nodes(gm, float_outputs=True, predicate=skip_views)]
         return PassResult(gm, added=added)

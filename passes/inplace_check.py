@@ -29,10 +29,10 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Interpreter, Node
 
-import fxdebug
-from fxdebug import InplaceError, MissingInputsError, PassContext, PassResult, UsageError, Where
+from fxdebug import InplaceError, MissingInputsError, UsageError
 from fxdebug.authoring import (
-    GUARD, Options, is_instrumentation, keep_state, matches, module_path, node_meta, node_values, op_label, source_line,
+    GUARD, Options, Pass, PassContext, PassResult, Where, is_instrumentation, keep_state, matches, module_path,
+    node_meta, node_values, op_label, source_line,
 )
 
 __all__ = ["InplaceCheck", "InplaceFinding"]
@@ -179,7 +179,7 @@ def _what(rec: _Saved, env: dict[Node, Any], gm: GraphModule) -> str:
     return "a tensor computed inside it"
 
 
-class InplaceCheck(fxdebug.Pass):
+class InplaceCheck(Pass):
     """Find in-place ops that overwrite tensors saved for backward; raise before they run.
 
     Args:

@@ -25,26 +25,25 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-import fxdebug.authoring
-from fxdebug.authoring import Options
-from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, UsageError, Where
+from fxdebug import UsageError
+from fxdebug.authoring import (
+    HIDDEN, Column, FindingRule, ObservationContext, Options, Pass, PassContext, PassResult, Probe, Reductions, Where,
+    describe,
+)
 
 __all__ = ["ExpertLoad"]
 
 
 def _columns() -> tuple[Column, ...]:
-    rule = getattr(fxdebug.authoring, "FindingRule", None)
-    dead: dict[str, Any] = {"threshold": 1.0}
-    if rule is not None:
-        dead["finding"] = rule(
-            kind="dead_experts", option="dead_experts",
-            message="{where}: {value} of {experts} experts received no token (experts {dead_expert_ids}); tokens per expert: "
-                    "{expert_tokens}.",
-            fix=("add or raise the router's load-balancing loss (router_aux_loss_coef), add router noise or jitter, or "
-                 "check the gate's initialisation; a dead expert's weights get no gradient."))
+    dead = FindingRule(
+        kind="dead_experts", option="dead_experts",
+        message="{where}: {value} of {experts} experts received no token (experts {dead_expert_ids}); tokens per expert: "
+                "{expert_tokens}.",
+        fix=("add or raise the router's load-balancing loss (router_aux_loss_coef), add router noise or jitter, or "
+             "check the gate's initialisation; a dead expert's weights get no gradient."))
     return (
         Column("expert_tokens", doc="tokens routed to each expert (summed over calls)"),
-        Column("dead_experts", format="d", doc="experts that received no token", **dead),
+        Column("dead_experts", format="d", doc="experts that received no token", threshold=1.0, finding=dead),
         Column("expert_imbalance", format=".2f", doc="busiest expert's tokens / mean tokens per expert"),
         Column("dead_expert_ids", roles=HIDDEN, doc="indices of the experts that received no token"),
         Column("experts", roles=HIDDEN, doc="number of experts of the layer"),
@@ -88,7 +87,7 @@ def _is_topk(node: Node) -> bool:
         node.op == "call_method" and node.target == "topk")
 
 
-class ExpertLoad(fxdebug.Pass):
+class ExpertLoad(Pass):
     """Per-expert token counts and dead experts of every routing ``topk`` (see the module docstring).
 
     Args:
@@ -120,7 +119,7 @@ class ExpertLoad(fxdebug.Pass):
         spec = ctx.tensor_spec(src) if isinstance(src, Node) and ctx.inputs is not None else None
         shape = getattr(spec, "shape", None)
         if not shape:
-            raise UsageError(f"ExpertLoad: cannot tell how many experts {fxdebug.describe(node)} routes to: give "
+            raise UsageError(f"ExpertLoad: cannot tell how many experts {describe(node)} routes to: give "
                              "example_inputs to instrument(), or ExpertLoad(experts=N).", pass_name=self.name)
         dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else -1)
         return int(shape[dim])

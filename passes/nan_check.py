@@ -30,8 +30,12 @@ from torch import Tensor
 from torch.fx import GraphModule, Node
 
 import fxdebug
-from fxdebug import HIDDEN, NONFINITE, ORIGIN, Column, FusedProbe, FusedStats, NonFiniteError, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
-from fxdebug.authoring import Options
+from fxdebug import NonFiniteError
+from fxdebug.authoring import (
+    HIDDEN, NONFINITE, ORIGIN, Column, FusedProbe, FusedStats, ObservationContext, Options, Pass, PassContext,
+    PassResult, Probe, Reductions, Where, describe, get_module, is_instrumentation, is_view, module_path, op_label,
+    source_line,
+)
 
 __all__ = ["NaNCheck"]
 
@@ -165,10 +169,10 @@ class RaisingProbe(Probe):
         self.grads = grads
         self.counts = counts
         self.columns = nonfinite_columns(counts)
-        self.describe = fxdebug.describe(node)
-        self.node_name, self.module, self.op = node.name, fxdebug.module_path(node), fxdebug.op_label(node)
-        self.where = fxdebug.source_line(node)
-        self.users = [u.name for u in node.users if not fxdebug.is_instrumentation(u) and u.op != "output"]
+        self.describe = describe(node)
+        self.node_name, self.module, self.op = node.name, module_path(node), op_label(node)
+        self.where = source_line(node)
+        self.users = [u.name for u in node.users if not is_instrumentation(u) and u.op != "output"]
         self.input_names = inputs
         self.is_input = node.op == "placeholder"  # a graph input: the value came in already non-finite
         self.owner = module  # the node's module (not registered as a child): its weights may be the culprit
@@ -240,7 +244,7 @@ class RaisingProbe(Probe):
                 f"{cause}{at}")
 
 
-class NaNCheck(fxdebug.Pass):
+class NaNCheck(Pass):
     """Find the node where NaN/Inf first appear, forward (and backward with ``backward=True``).
 
     Args:
@@ -250,7 +254,7 @@ class NaNCheck(fxdebug.Pass):
             (``report().first_nonfinite_grad``): a cheap, precise alternative to
             ``torch.autograd.detect_anomaly``.
         counts: also report the NaN and Inf element counts (``nan``, ``inf``; free: the fused pass counts them).
-        views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
+        views: also watch reshapes, permutes, slices and selections (``fxdebug.authoring.is_view``); off by
             default, since they only rearrange values their input already had.
         samples: also keep which batch rows / (batch, position) tokens were non-finite the first
             time each node went non-finite (``report().origin_samples``, ``origin_tokens``); one more
@@ -281,7 +285,7 @@ class NaNCheck(fxdebug.Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
-        skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
+        skip_views = None if self.views else (lambda n: not is_view(n, gm))
         nodes = ctx.nodes(gm, ops=_OPS, float_outputs=True, predicate=skip_views)
         for node in nodes:
             added.append(ctx.observe(node, self._probe(gm, node)))
@@ -294,6 +298,6 @@ class NaNCheck(fxdebug.Pass):
     def _probe(self, gm: GraphModule, node: Node) -> Probe:
         if self.mode == "record":
             return NonFiniteProbe(grads=self.backward, counts=self.counts)
-        inputs = [a.name for a in node.all_input_nodes if not fxdebug.is_instrumentation(a)]
+        inputs = [a.name for a in node.all_input_nodes if not is_instrumentation(a)]
         return RaisingProbe(grads=self.backward, counts=self.counts, node=node, inputs=inputs,
-                            module=fxdebug.get_module(gm, node))
+                            module=get_module(gm, node))

@@ -27,9 +27,10 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
-from fxdebug.authoring import GRADIENT, GRADIENT_MEAN, VALUE, get_attr, node_meta
+from fxdebug.authoring import (
+    GRADIENT, GRADIENT_MEAN, HIDDEN, VALUE, Column, ObservationContext, Pass, PassContext, PassResult, Probe,
+    Reductions, Where, get_attr, is_instrumentation, matches, module_path, node_meta,
+)
 
 __all__ = ["ParamGradProbe", "ParamGrads"]
 
@@ -162,7 +163,7 @@ def _host(node: Node) -> Node | None:
     return getitems[0] if getitems and node.meta.get("fxdebug", {}).get("shape") is None else node
 
 
-class ParamGrads(fxdebug.Pass):
+class ParamGrads(Pass):
     """Per-module parameter-gradient statistics (see the module docstring for the columns).
 
     Args:
@@ -179,15 +180,15 @@ class ParamGrads(fxdebug.Pass):
     def _selects(self, node: Node) -> bool:
         covers = getattr(self.where, "covers", None)  # outputs_of("layer1"): the modules themselves
         if covers is not None:
-            return bool(covers(fxdebug.module_path(node)))
-        return fxdebug.matches(self.where, node)
+            return bool(covers(module_path(node)))
+        return matches(self.where, node)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         groups: dict[Node, dict[str, nn.Parameter]] = {}
         owners: dict[Node, str] = {}
         seen: set[int] = set()
         for node in list(gm.graph.nodes):
-            if fxdebug.is_instrumentation(node) or not self._selects(node):
+            if is_instrumentation(node) or not self._selects(node):
                 continue
             params: dict[str, nn.Parameter] = {}
             host: Node | None = None
@@ -199,7 +200,7 @@ class ParamGrads(fxdebug.Pass):
                 value = get_attr(gm, str(node.target))
                 if isinstance(value, nn.Parameter):
                     params = {str(node.target): value}
-                    users = [u for u in node.users if not fxdebug.is_instrumentation(u)]
+                    users = [u for u in node.users if not is_instrumentation(u)]
                     host = _host(users[0]) if users else None
             params = {k: p for k, p in params.items() if id(p) not in seen}  # a module called twice: once
             if not params or host is None:

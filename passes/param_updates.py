@@ -32,8 +32,10 @@ from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
 import fxdebug
-import fxdebug.authoring
-from fxdebug import HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions
+from fxdebug.authoring import (
+    HIDDEN, Column, FindingRule, ObservationContext, Pass, PassContext, PassResult, Probe, Reductions,
+    is_instrumentation, matches, module_path,
+)
 
 __all__ = ["ParamUpdates"]
 
@@ -44,20 +46,17 @@ SPIKE = 10.0
 
 
 def _columns() -> tuple[Column, ...]:
-    rule = getattr(fxdebug.authoring, "FindingRule", None)
-    spike: dict[str, Any] = {"threshold": SPIKE}
-    if rule is not None:
-        spike["finding"] = rule(
-            kind="update_spike", option="update_spike",
-            message=("{where}: at optimizer step {update_spike_step} the update of {update_spike_param}, relative to "
-                     "its weight, was {value}x its running median (threshold {threshold}x)."),
-            fix=("check that parameter group's learning rate and schedule, and the gradient at that step; clip "
-                 "gradients or lower the learning rate."))
+    spike = FindingRule(
+        kind="update_spike", option="update_spike",
+        message=("{where}: at optimizer step {update_spike_step} the update of {update_spike_param}, relative to "
+                 "its weight, was {value}x its running median (threshold {threshold}x)."),
+        fix=("check that parameter group's learning rate and schedule, and the gradient at that step; clip "
+             "gradients or lower the learning rate."))
     return (
         Column("update_norm", format=".3g", doc="L2 norm of the last step's change of the module's parameters"),
         Column("update_ratio", format=".3g", doc="last update norm / weight norm before that step"),
         Column("update_spike", format=".1f", doc="largest jump of a parameter's update ratio over its running median",
-               **spike),
+               threshold=SPIKE, finding=spike),
         Column("update_spike_param", roles=HIDDEN, doc="the parameter whose update ratio jumped most"),
         Column("update_spike_step", roles=HIDDEN, doc="the optimizer step (0-based) of that jump"),
         Column("update_spike_ratio", roles=HIDDEN, doc="the update ratio at that step"),
@@ -330,7 +329,7 @@ def _num(v: Any) -> float | None:
     return None if v is None or v != v else float(v)
 
 
-class ParamUpdates(fxdebug.Pass):
+class ParamUpdates(Pass):
     """Per-parameter update norm and update/weight ratio of every ``optimizer`` step (no sync).
 
     Args:
@@ -354,8 +353,8 @@ class ParamUpdates(fxdebug.Pass):
     def _selects(self, node: Node) -> bool:
         covers = getattr(self.where, "covers", None)  # outputs_of("layer1"): the modules themselves
         if covers is not None:
-            return bool(covers(fxdebug.module_path(node)))
-        return self.where is None or fxdebug.matches(self.where, node)
+            return bool(covers(module_path(node)))
+        return self.where is None or matches(self.where, node)
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per parameter of the optimizer, keyed by its name (``param``), in group order:
@@ -391,7 +390,7 @@ class ParamUpdates(fxdebug.Pass):
         groups: dict[Node, dict[str, nn.Parameter]] = {}
         seen: set[int] = set()
         for node in list(gm.graph.nodes):
-            if fxdebug.is_instrumentation(node) or not self._selects(node):
+            if is_instrumentation(node) or not self._selects(node):
                 continue
             params: dict[str, nn.Parameter] = {}
             host: Node | None = None
@@ -406,7 +405,7 @@ class ParamUpdates(fxdebug.Pass):
                 value = fxdebug.authoring.get_attr(gm, str(node.target))
                 if isinstance(value, nn.Parameter):
                     params = {str(node.target): value}
-                    users = [u for u in node.users if not fxdebug.is_instrumentation(u)]
+                    users = [u for u in node.users if not is_instrumentation(u)]
                     host = users[0] if users else None
             params = {k: p for k, p in params.items() if id(p) in tracked and id(p) not in seen}
             if not params or host is None:

@@ -15,13 +15,13 @@ import torch
 from torch.fx import GraphModule
 
 import fxdebug
-from fxdebug import PassContext, PassResult, numerics
-from fxdebug.authoring import Options
+from fxdebug import numerics
+from fxdebug.authoring import Options, Pass, PassContext, PassResult
 
 __all__ = ["Precision"]
 
 
-class Precision(fxdebug.Pass):
+class Precision(Pass):
     """Run the nodes of ``plan`` (a ``PrecisionPlan`` or node names) in ``dtype`` (float32).
 
     Raises ``UsageError`` naming the planned nodes the graph does not have (a plan made for a

@@ -24,9 +24,10 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import COLOR, HIDDEN, Column, ObservationContext, PassContext, PassResult, Probe, Reductions, Where
-from fxdebug.authoring import GUARD, Options, node_meta
+from fxdebug.authoring import (
+    COLOR, GUARD, HIDDEN, Column, ObservationContext, Options, Pass, PassContext, PassResult, Probe, Reductions, Where,
+    module_path, node_meta,
+)
 
 __all__ = ["Profile"]
 
@@ -177,7 +178,7 @@ class TimeProbe(Probe):
         return state
 
 
-class Profile(fxdebug.Pass):
+class Profile(Pass):
     """Each selected node runs inside a profiler range named after it; ``time=True`` adds wall times.
 
     Args:
@@ -213,6 +214,6 @@ class Profile(fxdebug.Pass):
                 meta = node_meta(n)
                 meta.watch(GUARD)
                 ctx.record(n, {"times": node.name})
-                meta.module, meta.keep_unused = fxdebug.module_path(node), True
+                meta.module, meta.keep_unused = module_path(node), True
             added += [start, stop]
         return PassResult(gm, added=added)

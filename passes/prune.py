@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import (MissingInputsError, Pass, PassContext, PassError, PassResult, UsageError, get_module, is_conv, is_linear,
-                     keep_state, node_values)
-from fxdebug.authoring import Options, node_meta
+from fxdebug import MissingInputsError, PassError, UsageError
+from fxdebug.authoring import (
+    Options, Pass, PassContext, PassResult, Where, get_module, is_conv, is_linear, keep_state, node_meta, node_values,
+)
 
 from .derived import mark_derived
 from .prune_aten import before_first_user, ffn_pairs, pair_masks
@@ -122,7 +122,7 @@ class PruneMasks(Pass):
 
     def __init__(self, amount: float, structured: bool | str = False, scope: str = "global",
                  importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,
-                 batch: Any = None, norm: int = 1, prune_outputs: bool = False, where: fxdebug.Where = None) -> None:
+                 batch: Any = None, norm: int = 1, prune_outputs: bool = False, where: Where = None) -> None:
         super().__init__(where=where)
         opts = Options(self)
         amount = opts.number("amount", amount, low=0, high=1, high_open=True, doc="the fraction to prune, a number in [0, 1)")

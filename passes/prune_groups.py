@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from fxdebug import PassContext, get_module, is_relu
+from fxdebug.authoring import PassContext, get_module, is_relu
 
 __all__ = ["ChannelGroups", "channel_groups"]
 

@@ -16,9 +16,8 @@ from typing import Any, Callable
 
 from torch.fx import GraphModule
 
-import fxdebug
-from fxdebug import PassContext, PassResult, Where, numerics
-from fxdebug.authoring import Options
+from fxdebug import numerics
+from fxdebug.authoring import Options, Pass, PassContext, PassResult, Where, is_view
 
 __all__ = ["Recorder"]
 
@@ -30,7 +29,7 @@ def on_nonfinite_option(opts: Options, value: Any) -> Any:
     raise opts.error("on_nonfinite", value, "a callable taking the report, or a path to write the report to as JSON")
 
 
-class Recorder(fxdebug.Pass):
+class Recorder(Pass):
     """Keep the last ``history`` calls' statistics of every selected node on the device.
 
     Args:
@@ -53,7 +52,7 @@ class Recorder(fxdebug.Pass):
         self.views = opts.flag("views", views)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
-        skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
+        skip_views = None if self.views else (lambda n: not is_view(n, gm))
         nodes = ctx.nodes(gm, self.where, ops=("placeholder", "call_module", "call_function", "call_method"),
                           float_outputs=ctx.inputs is not None, predicate=skip_views)
         return PassResult(gm, added=numerics.add_recorder(gm, ctx, nodes, self.history, self.on_nonfinite))

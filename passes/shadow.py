@@ -14,14 +14,13 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
-import fxdebug
-from fxdebug import PassContext, PassResult, Where, numerics
-from fxdebug.authoring import Options
+from fxdebug import numerics
+from fxdebug.authoring import Options, Pass, PassContext, PassResult, Where, is_view
 
 __all__ = ["Shadow"]
 
 
-class Shadow(fxdebug.Pass):
+class Shadow(Pass):
     """Run every selected node a second time in ``dtype`` and report its precision loss.
 
     Args:
@@ -51,8 +50,8 @@ class Shadow(fxdebug.Pass):
         if ctx.inputs is not None:
             keep_views = self.views
             report = [n for n in nodes if (s := ctx.tensor_spec(n)) is not None and s.dtype.is_floating_point
-                      and (keep_views or not fxdebug.is_view(n, gm))]
+                      and (keep_views or not is_view(n, gm))]
         else:
-            report = [n for n in nodes if self.views or not fxdebug.is_view(n, gm)]
+            report = [n for n in nodes if self.views or not is_view(n, gm)]
         added = numerics.add_shadow(gm, ctx, nodes, self.dtype, report_nodes=report)
         return PassResult(gm, added=added)

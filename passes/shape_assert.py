@@ -39,7 +39,10 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from fxdebug import ShapeMismatchError
 from .shape_rules import Meta, meta_of, rule_for
-from fxdebug.authoring import FusedProbe, ObservationContext, Options, PassContext, PassResult, Probe, Reductions, TensorSpec, Where
+from fxdebug.authoring import (
+    FusedProbe, ObservationContext, Options, PassContext, PassResult, Probe, Reductions, TensorSpec, Where, describe,
+    is_instrumentation, module_path, op_label, source_line,
+)
 
 __all__ = ["ShapeAssert"]
 
@@ -68,11 +71,11 @@ class ShapeProbe(Probe):
         self.symbols = symbols
         self.inputs = inputs
         self.check_dtype = check_dtype
-        self.describe = fxdebug.describe(node)
-        self.node_name, self.module, self.op = node.name, fxdebug.module_path(node), fxdebug.op_label(node)
-        self.where = fxdebug.source_line(node)
-        users = [u for u in node.users if not fxdebug.is_instrumentation(u) and u.op != "output"]
-        self.feeds = f" It feeds {', '.join(fxdebug.describe(u) for u in users[:3])}." if node.op == "placeholder" and users else ""
+        self.describe = describe(node)
+        self.node_name, self.module, self.op = node.name, module_path(node), op_label(node)
+        self.where = source_line(node)
+        users = [u for u in node.users if not is_instrumentation(u) and u.op != "output"]
+        self.feeds = f" It feeds {', '.join(describe(u) for u in users[:3])}." if node.op == "placeholder" and users else ""
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
         if ctx.phase == "forward":
@@ -176,7 +179,7 @@ class ShapeAssert(fxdebug.Pass):
             # weights the op reads as get_attr inputs (every weight in a Dynamo graph) are not the activations the
             # message is about: left out of it, as a module call's own weights are
             inputs = [(a.name, None if a.op == "get_attr" else symbolic.get(a.name, {})) for a in node.all_input_nodes
-                      if not fxdebug.is_instrumentation(a)]
+                      if not is_instrumentation(a)]
             probes[node.name] = ShapeProbe(node, spec, symbolic[node.name], inputs, self.check_dtype)
         graph_inputs = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(specs.get(n.name), TensorSpec)]
         guard = _ShapeGuard(gm, probes, specs, [n.name for n in graph_inputs])
@@ -250,7 +253,7 @@ def _modules_at(gm: GraphModule, paths: Iterable[str]) -> dict[str, Any]:
 
 def _remember_owners(gm: GraphModule, owners: dict[str, Any]) -> None:
     """Note, for each module path the graph's nodes belong to, the module object there now (weakly)."""
-    paths = {fxdebug.module_path(n) for n in gm.graph.nodes if not fxdebug.is_instrumentation(n)}
+    paths = {module_path(n) for n in gm.graph.nodes if not is_instrumentation(n)}
     for path, module in _modules_at(gm, paths - set(owners)).items():
         owners[path] = weakref.ref(module)
 
@@ -258,8 +261,8 @@ def _remember_owners(gm: GraphModule, owners: dict[str, Any]) -> None:
 def _replaced(gm: GraphModule, owners: dict[str, Any]) -> set[str]:
     """Nodes of ``gm`` whose expectation belongs to a module that is no longer the one at its path (a
     replaced head), and every node computed from them: their shapes may legitimately differ now."""
-    nodes = [n for n in gm.graph.nodes if not fxdebug.is_instrumentation(n)]
-    paths = {fxdebug.module_path(n) for n in nodes} & set(owners)
+    nodes = [n for n in gm.graph.nodes if not is_instrumentation(n)]
+    paths = {module_path(n) for n in nodes} & set(owners)
     now = _modules_at(gm, paths)
     gone = {p for p in paths if owners[p]() is not now.get(p)}
     if not gone:
@@ -268,7 +271,7 @@ def _replaced(gm: GraphModule, owners: dict[str, Any]) -> set[str]:
         del owners[p]  # learnt again from this capture
     out: set[str] = set()
     for n in nodes:  # graph order is topological: a node is affected by its module or by an affected input
-        if fxdebug.module_path(n) in gone or any(a.name in out for a in n.all_input_nodes):
+        if module_path(n) in gone or any(a.name in out for a in n.all_input_nodes):
             out.add(n.name)
     return out
 
@@ -377,7 +380,7 @@ class _ShapeGuard:
         if not self.inputs:
             return False
         for node in self.gm.graph.nodes:  # a user's leaf module may change Python state when run
-            if node.op == "call_module" and not fxdebug.is_instrumentation(node):
+            if node.op == "call_module" and not is_instrumentation(node):
                 if not type(self.gm.get_submodule(str(node.target))).__module__.startswith("torch."):
                     return False
         try:
@@ -422,7 +425,7 @@ class _ShapeGuard:
         for node in gm.graph.nodes:
             if node.op == "output":
                 break
-            if fxdebug.is_instrumentation(node):
+            if is_instrumentation(node):
                 continue
             if node.op == "placeholder":
                 spec = inputs.get(node.name)
@@ -447,7 +450,7 @@ class _ShapeGuard:
             probe = self.probes.get(node.name)
             if check and probe is not None and meta_of(out) is not None:
                 probe.check(meta_of(out), tuple(meta_of(env.get(a)) or env.get(a) for a in node.all_input_nodes
-                                                if not fxdebug.is_instrumentation(a)))
+                                                if not is_instrumentation(a)))
 
 
 def _ruled(value: Any) -> Any:

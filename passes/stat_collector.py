@@ -29,9 +29,10 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import COLOR, HIDDEN, Column, FusedProbe, FusedStats, PassContext, PassResult, Where
-from fxdebug.authoring import FindingRule, Options, activation_row
+from fxdebug.authoring import (
+    COLOR, HIDDEN, Column, FindingRule, FusedProbe, FusedStats, Options, Pass, PassContext, PassResult, Where,
+    activation_row, is_kind, is_linear, is_view,
+)
 
 
 __all__ = ["StatCollector", "channel_dim_of"]
@@ -50,9 +51,9 @@ def channel_dim_of(node: Node, ndim: int, gm: GraphModule) -> int | None:
     for _ in range(8):
         if cur is None:
             break
-        if any(fxdebug.is_kind(cur, k, gm) for k in _CHANNEL_FIRST):
+        if any(is_kind(cur, k, gm) for k in _CHANNEL_FIRST):
             return 1
-        if fxdebug.is_linear(cur, gm) or cur.op == "placeholder":
+        if is_linear(cur, gm) or cur.op == "placeholder":
             return -1
         inputs = [a for a in cur.all_input_nodes if a.op != "get_attr"]
         cur = inputs[0] if inputs else None
@@ -116,12 +117,10 @@ class StatsProbe(FusedProbe):
 
     key = "stats"
 
-    def __init__(self, *, grads: bool = False, counts: bool = False, channel_dim: int | None = None,
-                 exact: bool = True) -> None:
+    def __init__(self, *, grads: bool = False, counts: bool = False, channel_dim: int | None = None) -> None:
         self.grads = grads
         self.counts = counts
         self.channel_dim = channel_dim
-        self.exact = exact  # kept for compatibility: every statistic is exact now
         self.columns = stats_columns(counts)
 
     def summary_from(self, s: FusedStats, phase: str) -> dict[str, Any]:
@@ -154,16 +153,15 @@ class StatsProbe(FusedProbe):
 _EPS = torch.finfo(torch.float32).eps
 
 
-class StatCollector(fxdebug.Pass):
+class StatCollector(Pass):
     """Statistics of every node's output (and with ``grads=True`` its gradient), accumulated on
     the device over every call since ``reset()``; see ``Report`` for the columns.
 
     Args:
         grads: also collect the statistics of the gradient w.r.t. each node's output.
         counts: also report the NaN and Inf element counts (free: the fused pass counts them).
-        views: also watch reshapes, permutes, slices and selections (``fxdebug.is_view``); off by
+        views: also watch reshapes, permutes, slices and selections (``fxdebug.authoring.is_view``); off by
             default, since their statistics repeat their input's.
-        exact: accepted for compatibility; every statistic is computed over every element.
         channel_dim: ``"auto"`` (see ``channel_dim_of``), an int for every node, or ``None`` to
             skip per-channel statistics (dead fraction).
         where: limit the watched nodes (globs over module paths / node names, or a predicate).
@@ -174,13 +172,13 @@ class StatCollector(fxdebug.Pass):
     name = "stat-collector"
     observe_only = True
 
-    def __init__(self, grads: bool = False, *, counts: bool = False, exact: bool = False,
+    def __init__(self, grads: bool = False, *, counts: bool = False,
                  channel_dim: int | str | None = "auto", views: bool = False, where: Where = None,
                  histograms: bool | int = False) -> None:
         super().__init__(where=where)
         opts = Options(self)
         self.grads, self.counts = opts.flag("grads", grads), opts.flag("counts", counts)
-        self.exact, self.views = opts.flag("exact", exact), opts.flag("views", views)
+        self.views = opts.flag("views", views)
         self.channel_dim = channel_dim if channel_dim is None or channel_dim == "auto" else opts.number(
             "channel_dim", channel_dim, integer=True, doc="an int (the channel dim of every node), None or 'auto'")
         on = histograms if isinstance(histograms, bool) or histograms in (0, 1) and not isinstance(histograms, float) else None
@@ -189,7 +187,7 @@ class StatCollector(fxdebug.Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
-        skip_views = None if self.views else (lambda n: not fxdebug.is_view(n, gm))
+        skip_views = None if self.views else (lambda n: not is_view(n, gm))
         for node in ctx.nodes(gm, float_outputs=True, predicate=skip_views):
             spec = ctx.tensor_spec(node)
             ndim = len(spec.shape) if spec is not None else 0
@@ -197,7 +195,7 @@ class StatCollector(fxdebug.Pass):
                 cdim = channel_dim_of(node, ndim, gm)
             else:
                 cdim = self.channel_dim if ndim >= 2 else None  # type: ignore[assignment]
-            added.append(ctx.observe(node, StatsProbe(grads=self.grads, counts=self.counts, channel_dim=cdim, exact=self.exact)))
+            added.append(ctx.observe(node, StatsProbe(grads=self.grads, counts=self.counts, channel_dim=cdim)))
             if self.histograms:
                 from .histograms import HistogramProbe
 

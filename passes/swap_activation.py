@@ -1,6 +1,6 @@
 """``SwapActivation``: replace ReLU — in every form FX meets — by LeakyReLU or another activation.
 
-Forms caught (through ``fxdebug.is_relu``): ``nn.ReLU`` (``inplace`` or not), ``F.relu``
+Forms caught (through ``fxdebug.authoring.is_relu``): ``nn.ReLU`` (``inplace`` or not), ``F.relu``
 (``inplace`` or not), ``torch.relu``, ``torch.relu_``, ``Tensor.relu``, ``Tensor.relu_``.
 
 In-place semantics are kept where they matter: when a ReLU writes into its input and someone
@@ -21,9 +21,10 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-import fxdebug
-from fxdebug import Pass, PassContext, PassError, PassResult, UsageError, is_inplace, is_relu, module_path, op_label
-from fxdebug.authoring import Options, node_meta
+from fxdebug import PassError, UsageError
+from fxdebug.authoring import (
+    Options, Pass, PassContext, PassResult, Where, is_inplace, is_relu, module_path, node_meta, op_label,
+)
 
 __all__ = ["SwapActivation"]
 
@@ -69,7 +70,7 @@ class SwapActivation(Pass):
     live_capture = False  # works on the live capture (frontend="dynamo"); "auto" keeps the snapshot in this release
 
     def __init__(self, negative_slope: float = 0.01, to: Callable[[], nn.Module] | None = None,
-                 only_dead: float | None = None, *, report: Any = None, where: fxdebug.Where = None) -> None:
+                 only_dead: float | None = None, *, report: Any = None, where: Where = None) -> None:
         super().__init__(where=where)
         opts = Options(self)
         self.negative_slope = opts.number("negative_slope", negative_slope)

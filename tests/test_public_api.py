@@ -20,7 +20,7 @@ import fxdebug.passes
 ROOT = Path(__file__).resolve().parent.parent
 
 USER_API = {
-    "Alignment", "align", "ArgumentTypeError", "DeviceMismatchError", "DistributedError", "FxDebugError", "GradcheckResult", "InplaceError", "Inputs",
+    "Alignment", "align", "ArgumentTypeError", "Column", "DeviceMismatchError", "DistributedError", "FxDebugError", "GradcheckResult", "InplaceError", "Inputs",
     "Instrumented", "LeafInfo", "MissingInputsError", "NonFiniteError", "Pass", "PassContext", "PassError",
     "PassManager", "PassResult", "RenderOptions", "Report", "Sensitivity", "ShapeMismatchError", "TraceError", "TraceInfo",
     "UsageError", "Verification", "VerificationError", "authoring", "collect", "gradcheck", "graph_pass", "guard",
@@ -67,8 +67,22 @@ def test_authoring_api_is_sorted_and_pinned():
     for name in names:
         assert getattr(fxdebug.authoring, name) is getattr(fxdebug, name, getattr(fxdebug.authoring, name))
     # the user API and the authoring API share only what a user needs to write a pass at all
-    assert set(fxdebug.__all__) & set(names) == {"Pass", "PassContext", "PassManager", "PassResult",
+    assert set(fxdebug.__all__) & set(names) == {"Column", "Pass", "PassContext", "PassManager", "PassResult",
                                                  "graph_pass", "node_pass", "outputs_of"}
+
+
+def test_root_holds_no_pass_authoring_name_beyond_the_user_api():
+    """The re-exports "for older code" are gone (issue 32 item 7): a pass-author name lives in
+    ``fxdebug.authoring`` only, and asking the root for one says where it is."""
+    extra = (set(fxdebug.authoring.__all__) - set(fxdebug.__all__)) & (set(dir(fxdebug)) | set(fxdebug._LAZY))
+    assert not extra, f"pass-authoring names still re-exported at the fxdebug root: {sorted(extra)}"
+    for name in ("describe", "Probe", "replace_pattern", "is_conv"):
+        try:
+            getattr(fxdebug, name)
+        except AttributeError as err:
+            assert f"from fxdebug.authoring import {name}" in str(err)
+        else:
+            raise AssertionError(f"fxdebug.{name} still resolves at the root")
 
 
 def test_passes_namespace_is_sorted_and_names_the_design_passes():
@@ -138,12 +152,16 @@ def test_passes_use_only_public_fxdebug_names():
             if module.startswith("fxdebug.passes"):
                 continue  # sibling pass modules
             if module == "fxdebug":
-                assert set(names) <= public | authoring, f"{path.name} imports private names {set(names) - public - authoring}"
+                assert set(names) <= public - authoring, \
+                    f"{path.name} imports {set(names) - (public - authoring)} from fxdebug; pass-authoring names come from fxdebug.authoring"
             elif module == "fxdebug.authoring":
                 assert set(names) <= authoring, f"{path.name} imports {set(names) - authoring} from fxdebug.authoring"
             else:
                 assert module not in _core_modules() or module in PUBLIC_SUBPACKAGES, \
                     f"{path.name} imports {module}; use the public names of fxdebug / fxdebug.authoring"
+        for node in ast.walk(ast.parse(path.read_text())):  # fxdebug.<name> in code, e.g. a base class fxdebug.Pass
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "fxdebug":
+                assert node.attr in public, f"{path.name}:{node.lineno} reads fxdebug.{node.attr}, not a public root name"
 
 
 def test_core_never_imports_passes_at_module_level():

@@ -30,8 +30,8 @@ Groups:
 
 Every other module of the ``fxdebug`` package is private implementation: import from ``fxdebug``,
 ``fxdebug.authoring``, ``fxdebug.passes``, ``fxdebug.plot``, ``fxdebug.numerics`` and
-``fxdebug.when`` only. (These names are also attributes of ``fxdebug`` for code written before
-this module existed; ``fxdebug.__all__`` lists only the user API.)
+``fxdebug.when`` only. The names here are not attributes of ``fxdebug`` (beyond the few a user needs
+to write a pass at all, and ``Column``): ``fxdebug.__all__`` is the user API.
 """
 
 from __future__ import annotations
