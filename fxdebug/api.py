@@ -1,11 +1,11 @@
 """The entry points: ``trace``, ``instrument``, ``render``, and the choice of frontend.
 
-``trace`` picks a frontend (``frontends/``) and returns what every frontend returns, an
-``Instrumented`` module; ``instrument`` traces and runs the pass pipeline (``run_pipeline``) over
-each of its ``parts()`` (the live Dynamo frontend's module and capture call: ``instrumented/live_instrument``);
-``choose_frontend`` is the one choice of frontend for both, with the note why; ``render`` draws any module,
-tracing a plain one first. Nothing here
-knows which frontend made a module: the parts say it.
+``choose_frontend`` is the one choice of frontend for ``trace`` and ``instrument``, with the note why; the
+frontends are the registry ``instrumented/pipeline.FRONTENDS`` (Dynamo, symbolic, export, subtrees), and the
+chosen entry says whether it is live. A live one (Dynamo) builds a module that captures at each call
+(``instrumented/live_instrument``); a snapshot one is captured now (``_snapshot``), and ``instrument`` runs
+the pass pipeline (``run_pipeline``) over each of its ``parts()``. ``render`` draws any module, tracing a
+plain one first. Nothing here knows which frontend made a module: the parts say it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.fx import GraphModule
 from fxdebug.report.distributed import unwrap_parallel
 from fxdebug.errors import ArgumentTypeError, FxDebugError, TraceError, UsageError
 from fxdebug.capture.base import TraceOptions
+from fxdebug.capture.dynamo_frontend import DynamoFrontend
 from fxdebug.capture.dynamo_backends import check_backend
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.live_instrument import instrument_live
@@ -37,16 +38,15 @@ from fxdebug.instrumented.verify import verify
 
 __all__ = ["FRONTENDS", "instrument", "module_from_capture", "render", "run_pipeline", "trace"]
 
-_CHOICES = ("auto", "dynamo", *FRONTENDS)
-# instrument(frontend="auto"): the live Dynamo capture unless a pass does not work on its graphs (live_capture()),
-# or a snapshot option is given (then symbolic, export, subtrees, noted). FXDEBUG_AUTO=snapshot keeps "auto" on that snapshot chain
-# for every pass list (docs/frontends.md)
-AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO", "dynamo") != "snapshot"
+# frontend="auto" (trace and instrument alike): the live Dynamo capture unless choose_frontend finds a reason for a
+# snapshot (then symbolic, export, subtrees, noted). FXDEBUG_AUTO=snapshot keeps "auto" on that snapshot chain
+# for every call (docs/frontends.md)
+AUTO_IS_LIVE = os.environ.get("FXDEBUG_AUTO") != "snapshot"
 # Dynamo traces ~5-10 ms per module call on CPU (symbolic tracing ~0.2 ms per node): above this many modules a
 # live capture would take tens of seconds to minutes (a 70B-class trunk, a 10k-layer chain), so "auto" takes the
 # guarded snapshot instead, noted; frontend="dynamo" still captures any model live
 LIVE_MODULE_LIMIT = 1000
-# instrument()'s own keywords (popped before the rest go to trace()); trace()'s are read from its signature
+# instrument()'s own keywords (popped; the rest are trace()'s, read from its signature)
 _INSTRUMENT_OWN = ("prior_report", "verify", "backend")
 
 
@@ -68,7 +68,10 @@ def trace(
 ) -> Instrumented:
     """Capture ``model`` as an ``Instrumented`` graph module, without passes.
 
-    Frontends (``frontend=``), tried in this order by ``"auto"``:
+    ``"auto"`` (``choose_frontend``) is the snapshot chain here, with a note saying why: ``trace`` returns one
+    graph to look at and edit now. ``frontend="dynamo"`` returns the live module instead (Dynamo captures at
+    each call; ``dbg.graph`` is the captured graph when there is one). The snapshot frontends, tried in this
+    order by ``"auto"``:
 
     * ``"symbolic"`` — ``torch.fx`` symbolic tracing; submodules that cannot be traced become
       leaves automatically (``auto_leaf=True``), recorded in ``.trace_info`` and in reports.
@@ -80,26 +83,44 @@ def trace(
       that one of the above captures; the report gives the fraction of parameters and executed
       ops under instrumentation and which modules stayed eager, and why.
 
-    The chosen frontend is ``.trace_info.frontend``; ``"auto"`` also notes why earlier ones failed.
+    The chosen frontend is ``.trace_info.frontend``; ``"auto"`` also notes why it chose the chain and why
+    earlier ones failed.
     """
     _check_model(model, "trace")
+    options = {"frontend": frontend, "leaf_modules": tuple(leaf_modules), "auto_leaf": auto_leaf,
+               "dynamic_batch": dynamic_batch}
+    if isinstance(unwrap_parallel(model)[0], Instrumented):  # captured before: the same frontend captures again
+        return _snapshot(model, "auto", "", example_inputs, options)
+    chosen, why = choose_frontend(model, (), options, "trace", example_inputs)
+    if _is_live(chosen):
+        return instrument_live(model, [], example_inputs, None, False, time.perf_counter(), None, why)
+    return _snapshot(model, chosen, why, example_inputs, options)
+
+
+def _is_live(chosen: str) -> bool:
+    """Whether ``choose_frontend``'s choice is a live frontend (its module captures at each call): the registry says."""
+    return chosen != "auto" and FRONTENDS[chosen].live
+
+
+def _snapshot(model: nn.Module, chosen: str, why: str, example_inputs: Any, options: dict[str, Any]) -> Instrumented:
+    """``model`` captured now by the snapshot frontend ``chosen`` (``"auto"``: the chain), ``why`` noted first.
+
+    An ``Instrumented`` model is captured again as it was made (``retrace``)."""
     model, unwrapped = unwrap_parallel(model)  # DDP / DataParallel: the model is .module
     if isinstance(model, Instrumented):
         again = model.retrace()
         if not isinstance(again, LiveInstrumented):  # a live module's graphs are Dynamo's: no snapshot recipe
             remember(again, model, (), example_inputs, {}, recapture)
         return again
-    frontend, _ = choose_frontend(model, (), {"frontend": frontend}, "trace")
-    if frontend == "dynamo":
-        return instrument_live(model, [], example_inputs, None, False, time.perf_counter())
     inputs = normalize_inputs(example_inputs)
     check_example_inputs(model, inputs)
-    options = TraceOptions(tuple(leaf_modules), auto_leaf, dynamic_batch)
-    gm = _capture(frontend, model, inputs, options) if frontend != "auto" else _trace_auto(model, inputs, options)
-    if unwrapped:
-        gm.trace_info.notes.insert(0, unwrapped)
-    remember(gm, model, (), example_inputs,  # so that a switch of training mode captures that mode's graph
-             {"leaf_modules": tuple(leaf_modules), "auto_leaf": auto_leaf, "dynamic_batch": dynamic_batch}, recapture)
+    kept = {"leaf_modules": tuple(options.get("leaf_modules", ())), "auto_leaf": options.get("auto_leaf", True),
+            "dynamic_batch": options.get("dynamic_batch", False)}
+    trace_options = TraceOptions(kept["leaf_modules"], kept["auto_leaf"], kept["dynamic_batch"])
+    gm = (_capture(chosen, model, inputs, trace_options) if chosen != "auto"
+          else _trace_auto(model, inputs, trace_options))
+    gm.trace_info.notes[:0] = [n for n in (unwrapped, why) if n]
+    remember(gm, model, (), example_inputs, kept, recapture)  # so that a switch of training mode captures that mode's graph
     return gm
 
 
@@ -171,16 +192,14 @@ def instrument(
     if prior is None and isinstance(model, Instrumented) and model.observers():
         prior = model.report()
     start = time.perf_counter()
-    chosen, why = choose_frontend(model, pass_list, trace_options, "instrument")
-    if chosen == "dynamo":
+    chosen, why = choose_frontend(model, pass_list, trace_options, "instrument", example_inputs)
+    if _is_live(chosen):
         return instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why)
     if backend not in (None, "eager"):
         raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
                          f"captured by a snapshot frontend ({why or chosen}): "
                          "torch.compile(dbg) compiles a snapshot module, or use frontend='dynamo'.")
-    gm = run_pipeline(trace(model, example_inputs, **trace_options), pass_list, example_inputs, prior)
-    if why:
-        gm.trace_info.notes.insert(0, why)
+    gm = run_pipeline(_snapshot(model, chosen, why, example_inputs, trace_options), pass_list, example_inputs, prior)
     remember(gm, model, pass_list, example_inputs, trace_options, recapture)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:  # outputs, every gradient and buffers against the model, in train and eval mode
@@ -188,32 +207,57 @@ def instrument(
     return gm
 
 
-_LIVE_WHY = ("auto: the live Dynamo capture (passes that work on it, no snapshot option, at most "
-             f"{LIVE_MODULE_LIMIT} modules); a pass whose live_capture is False, leaf_modules / auto_leaf / "
-             "dynamic_batch or a larger model would take a snapshot frontend")
+_LIVE_WHY = ("auto: the live Dynamo capture (no pass that needs a snapshot, no snapshot option, at most "
+             f"{LIVE_MODULE_LIMIT} modules); frontend='symbolic' / 'export' / 'subtrees' takes a snapshot instead")
+_SNAPSHOT_CHAIN = "captured by symbolic tracing (then export, then subtrees), a snapshot of the model as it is now"
 
 
-def choose_frontend(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any], entry: str) -> tuple[str, str]:
+def choices() -> tuple[str, ...]:
+    """What ``frontend=`` accepts: ``"auto"`` and every frontend in the registry (``instrumented/pipeline.FRONTENDS``)."""
+    return ("auto", *FRONTENDS)
+
+
+def choose_frontend(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any], entry: str,
+                    example_inputs: Any = None) -> tuple[str, str]:
     """The one place a frontend is chosen, for ``trace`` (``entry="trace"``) and ``instrument``: ``(name, why)``.
 
-    ``name`` is ``"dynamo"`` (the live capture), a snapshot frontend's name, or ``"auto"``: the snapshot chain
-    (symbolic, then export, then subtrees; its own notes say why an earlier one failed). ``why`` is the note for
-    ``trace_info.notes`` ("" when the caller named the frontend). ``frontend="auto"`` is the live capture for
-    ``instrument()`` unless ``_static_reason`` gives a reason for a snapshot (or ``FXDEBUG_AUTO=snapshot``); for
-    ``trace()``, which runs no passes and returns a graph to look at, it is the snapshot chain.
+    ``name`` is a frontend of the registry (``FRONTENDS``; ``FRONTENDS[name].live`` says whether its module
+    captures at each call) or ``"auto"``: the snapshot chain (symbolic, then export, then subtrees; its own notes
+    say why an earlier one failed). ``why`` is the note for ``trace_info.notes`` (``""`` when the caller named the
+    frontend, or the model was captured before and is captured again as it was made).
+
+    The rule for ``frontend="auto"``, the same for both entry points: **the live Dynamo capture, unless a reason
+    for a snapshot holds**, and the note says which (``_snapshot_reason``, in this order):
+
+    1. ``FXDEBUG_AUTO=snapshot`` in the environment (the second release's default);
+    2. a pass does not work on the live capture's graphs (``live_capture`` False: a transform written for one
+       whole graph);
+    3. a snapshot frontend's option is given (``leaf_modules``, ``auto_leaf=False``, ``dynamic_batch``);
+    4. the model has more than ``LIVE_MODULE_LIMIT`` modules (Dynamo's tracing would take minutes);
+    5. the entry is ``trace()``: it runs no passes and returns one graph to look at and edit now (rewrites,
+       ``outputs_of``, ``gradcheck`` and ``repro`` of a live module, ``render`` of a plain one all read that
+       graph), while Dynamo captures at each call and captures again when a guard fails, so an edit to its
+       graphs would not be what runs. ``trace(model, x, frontend="dynamo")`` gives the live module.
+
+    Reasons 1-4 hold for both entry points with the same note. Measured (2026-12-02) before taking reason 5:
+    ``trace(model, x)`` live broke 23 of the 444 tests of the 29 files that call ``trace`` (rewrite patterns
+    found no match in Dynamo's ``call_function`` graphs, ``outputs_of`` names changed, ``gradcheck`` of a live
+    module checked Dynamo's higher-order op, ``auto`` no longer fell through to export), and
+    ``trace(model)`` / ``trace(model, x)`` would have returned different kinds of module.
     """
     asked = options.get("frontend", "auto")
-    if asked not in _CHOICES:
-        raise UsageError(f"frontend={asked!r} is not one of {', '.join(_CHOICES)}.")
-    if asked != "auto" or entry == "trace" or not AUTO_IS_LIVE:
+    if asked not in FRONTENDS and asked != "auto":
+        raise UsageError(f"frontend={asked!r} is not one of {', '.join(choices())}.")
+    if asked != "auto":
         return asked, ""
-    why = _static_reason(model, passes, options)
+    why = _snapshot_reason(model, passes, options, entry, example_inputs)
     if why is None:  # an instrumented snapshot: its passes are added to that capture
         return "auto", ""
-    return ("dynamo", _LIVE_WHY) if why == "" else ("auto", why)
+    return (DynamoFrontend.name, _LIVE_WHY) if why == "" else ("auto", why)
 
 
-def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any]) -> str | None:
+def _snapshot_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, Any], entry: str,
+                     example_inputs: Any) -> str | None:
     """For ``frontend="auto"``: ``""`` to capture live (Dynamo), else why a snapshot frontend is used.
 
     ``None``: the model was captured before by a snapshot frontend (its passes are added to that capture).
@@ -223,21 +267,26 @@ def _static_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str, 
         return ""
     if isinstance(inner, Instrumented):
         return None
+    if not AUTO_IS_LIVE:
+        return f"auto: FXDEBUG_AUTO=snapshot in the environment: {_SNAPSHOT_CHAIN}, not the live Dynamo capture"
     snapshot_only = [getattr(p, "name", type(p).__name__) for p in passes if not live_capture(p)]
     if snapshot_only:
         return (f"auto: {', '.join(snapshot_only)} transform(s) the graph into a new module and does not work on the "
-                "live capture's graphs (its live_capture is False), so it needs one whole graph: captured by symbolic "
-                "tracing (then export, then subtrees), a snapshot of the model as it is now, not the live Dynamo capture")
+                "live capture's graphs (its live_capture is False), so it needs one whole graph: "
+                f"{_SNAPSHOT_CHAIN}, not the live Dynamo capture")
     given = [k for k, default in (("leaf_modules", ()), ("auto_leaf", True), ("dynamic_batch", False))
-             if k in options and options[k] != default]
+             if k in options and (tuple(options[k]) if k == "leaf_modules" else options[k]) != default]
     if given:
-        return (f"auto: {', '.join(given)} given, an option of the snapshot frontends: captured by symbolic tracing "
-                "(then export, then subtrees), not the live Dynamo capture")
+        return f"auto: {', '.join(given)} given, an option of the snapshot frontends: {_SNAPSHOT_CHAIN}, not the live Dynamo capture"
     count = sum(1 for _ in itertools.islice(inner.modules(), LIVE_MODULE_LIMIT + 1))
     if count > LIVE_MODULE_LIMIT:
         return (f"auto: more than {LIVE_MODULE_LIMIT} modules, where Dynamo's tracing (~5-10 ms a module) would make "
-                "instrument() take minutes: captured by symbolic tracing (then export, then subtrees), a snapshot whose "
-                "guards refuse later changes to the model; frontend='dynamo' captures it live anyway")
+                f"instrument() take minutes: {_SNAPSHOT_CHAIN} whose guards refuse later changes to the model; "
+                "frontend='dynamo' captures it live anyway")
+    if entry == "trace":
+        return ("auto: trace() runs no passes and returns one graph to look at and edit now; Dynamo captures at each "
+                "call (a graph per frame, graph break and recompile, captured again when a guard fails), so an edit to "
+                f"its graphs would not be what runs: {_SNAPSHOT_CHAIN}; frontend='dynamo' or instrument() captures live")
     return ""
 
 

@@ -20,6 +20,8 @@ def test_every_frontend_returns_an_instrumented_module_with_parts():
     model, (x,) = ZOO["transformer_block"]()
     model.eval()  # dropout off: the captures must compute exactly what the model computes
     for name, frontend in FRONTENDS.items():
+        if frontend.live:  # Dynamo captures at each call of its module, not once: test_frontend_choice.py
+            continue
         captured = frontend.capture(model, ((x,), {}), TraceOptions())
         # data: parts with their graphs; the module is built from it one floor up
         assert isinstance(captured, Capture) and captured.info.frontend == name

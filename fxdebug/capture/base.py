@@ -6,8 +6,8 @@ model), a ``torch.fx.GraphModule`` over that module's own objects, the inputs th
 with when the frontend recorded the model (``None`` when it was captured from the caller's
 example inputs), and the path from the model's root that ``where=`` patterns name. ``info`` says
 how the model was captured (``TraceInfo``). The ``Instrumented`` module is built from a capture
-one floor up (``fxdebug.instrumented.module.Instrumented.from_capture``); ``api.trace`` chooses
-the frontend.
+one floor up (``fxdebug.instrumented.module.Instrumented.from_capture``); ``api.choose_frontend``
+chooses the frontend.
 """
 
 from __future__ import annotations
@@ -78,9 +78,18 @@ class Capture:
 
 
 class Frontend(Protocol):
-    """A way of capturing a model. ``name`` is what ``trace(frontend=...)`` accepts."""
+    """A way of capturing a model. ``name`` is what ``trace`` / ``instrument(frontend=...)`` accept.
+
+    ``live`` says when the frontend captures. ``False``, a snapshot (symbolic, export, subtrees):
+    ``capture`` captures the model as it is now, and the module is built from the ``Capture``.
+    ``True``, live (Dynamo, ``capture/dynamo_frontend.py``): the module built for it captures at each
+    call, as guards decide; it is built above, in ``instrumented/live_instrument.instrument_live``,
+    and its ``capture`` only says so. The registry of frontends is ``instrumented/pipeline.FRONTENDS``;
+    ``api.choose_frontend`` picks one and asks it whether it is live.
+    """
 
     name: str
+    live: bool
 
     def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Any:
         """Capture ``model`` (a ``Capture``); raise ``TraceError`` (naming the module and the fix) if it cannot."""

@@ -105,6 +105,7 @@ class SymbolicFrontend:
     """``torch.fx`` symbolic tracing; untraceable submodules become leaves (``auto_leaf``)."""
 
     name = "symbolic"
+    live = False  # a snapshot: capture() captures the model as it is now
 
     def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Capture:
         graph, info = capture_symbolic(model, inputs, leaf_modules=options.leaf_modules, auto_leaf=options.auto_leaf)
@@ -130,6 +131,7 @@ class ExportFrontend:
     """``torch.export`` (non-strict) on the example inputs: an aten-level graph."""
 
     name = "export"
+    live = False  # a snapshot: capture() captures the model as it is now
 
     def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Capture:
         graph, info, space = capture_export(model, inputs, dynamic_batch=options.dynamic_batch)

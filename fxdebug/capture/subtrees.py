@@ -227,6 +227,7 @@ class SubtreesFrontend:
     """The root's forward stays eager; its largest capturable submodules become the parts."""
 
     name = "subtrees"
+    live = False  # a snapshot: capture() captures the model as it is now
 
     def capture(self, model: nn.Module, inputs: CallInputs | None, options: TraceOptions) -> Capture:
         return capture_subtrees(model, inputs, options)

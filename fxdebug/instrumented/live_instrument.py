@@ -4,7 +4,8 @@ The model is refused where capturing it would change it (lazy modules not yet ru
 namespace would collide with its own attributes; with example inputs, one quiet call captures the first
 graphs (buffers, Python state and RNG put back; Dynamo's plain graphs run, so no pass fires at
 instrument time), and the example variants a pass asks for are captured too. ``api.instrument`` and
-``api.trace`` call this once ``api.choose_frontend`` chose ``"dynamo"``.
+``api.trace`` call this once ``api.choose_frontend`` chose a live frontend of the registry
+(``capture/dynamo_frontend.DynamoFrontend``, ``live = True``).
 """
 
 from __future__ import annotations

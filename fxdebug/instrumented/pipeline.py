@@ -23,6 +23,7 @@ from torch import nn
 from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import paused_gc, run_part
 from fxdebug.capture.base import Capture, Frontend, TraceOptions
+from fxdebug.capture.dynamo_frontend import DynamoFrontend
 from fxdebug.capture.graphs import ExportFrontend, SymbolicFrontend
 from fxdebug.capture.subtrees import SubtreesFrontend
 from fxdebug.errors import MissingInputsError
@@ -35,7 +36,12 @@ from fxdebug.report.report import Report
 
 __all__ = ["FRONTENDS", "capture_module", "module_from_capture", "recapture", "run_pipeline"]
 
-FRONTENDS: dict[str, Frontend] = {f.name: f for f in (SymbolicFrontend(), ExportFrontend(), SubtreesFrontend())}
+# The frontend registry: every name ``frontend=`` accepts besides "auto". A snapshot frontend (``live`` False) is
+# captured here (``capture_module``); the live one (Dynamo) builds its module at instrument time and captures at
+# each call (``instrumented/live_instrument.instrument_live``, which api.py calls for a live entry: importing it
+# here would close a cycle, live.py -> live_export -> this module)
+FRONTENDS: dict[str, Frontend] = {f.name: f for f in (DynamoFrontend(), SymbolicFrontend(), ExportFrontend(),
+                                                      SubtreesFrontend())}
 
 
 def module_from_capture(model: nn.Module, capture: Capture) -> Instrumented:
@@ -47,7 +53,8 @@ def module_from_capture(model: nn.Module, capture: Capture) -> Instrumented:
 
 
 def capture_module(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
-    """Capture ``model`` with ``frontend`` (a name in ``FRONTENDS``); the module is built from the ``Capture``."""
+    """Capture ``model`` with the snapshot ``frontend`` (a name in ``FRONTENDS``); the module is built from the
+    ``Capture``. The live frontend has no snapshot to capture (its ``capture`` says so)."""
     with paused_gc():
         return module_from_capture(model, FRONTENDS[frontend].capture(model, inputs, options))
 
