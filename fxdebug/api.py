@@ -281,7 +281,7 @@ def _snapshot_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str
     count = sum(1 for _ in itertools.islice(inner.modules(), LIVE_MODULE_LIMIT + 1))
     if count > LIVE_MODULE_LIMIT:
         return (f"auto: more than {LIVE_MODULE_LIMIT} modules, where Dynamo's tracing (~5-10 ms a module) would make "
-                f"instrument() take minutes: {_SNAPSHOT_CHAIN} whose guards refuse later changes to the model; "
+                f"the capture take minutes: {_SNAPSHOT_CHAIN} whose guards refuse later changes to the model; "
                 "frontend='dynamo' captures it live anyway")
     if entry == "trace":
         return ("auto: trace() runs no passes and returns one graph to look at and edit now; Dynamo captures at each "
