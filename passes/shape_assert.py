@@ -164,9 +164,12 @@ class ShapeAssert(fxdebug.Pass):
                 first.pop(name, None)
         if other_run:
             _widen(first, specs, weights)
-        for name, (spec, dims) in first.items():
-            if isinstance(specs.get(name), TensorSpec) and len(specs[name].shape) == len(spec.shape):
-                specs[name], symbolic[name] = spec, dims
+        # this graph's own nodes looked up: ``first`` holds every graph of the capture (a part per block: walking it
+        # for each part was quadratic in the model's depth)
+        for name, now in list(specs.items()):
+            learnt = first.get(name)
+            if learnt is not None and isinstance(now, TensorSpec) and len(now.shape) == len(learnt[0].shape):
+                specs[name], symbolic[name] = learnt
         for name, spec in specs.items():
             if isinstance(spec, TensorSpec) and name not in first:
                 first[name] = (spec, symbolic[name])
@@ -254,7 +257,7 @@ def _modules_at(gm: GraphModule, paths: Iterable[str]) -> dict[str, Any]:
 def _remember_owners(gm: GraphModule, owners: dict[str, Any]) -> None:
     """Note, for each module path the graph's nodes belong to, the module object there now (weakly)."""
     paths = {module_path(n) for n in gm.graph.nodes if not is_instrumentation(n)}
-    for path, module in _modules_at(gm, paths - set(owners)).items():
+    for path, module in _modules_at(gm, {p for p in paths if p not in owners}).items():  # (not set(owners): per graph)
         owners[path] = weakref.ref(module)
 
 
@@ -262,7 +265,7 @@ def _replaced(gm: GraphModule, owners: dict[str, Any]) -> set[str]:
     """Nodes of ``gm`` whose expectation belongs to a module that is no longer the one at its path (a
     replaced head), and every node computed from them: their shapes may legitimately differ now."""
     nodes = [n for n in gm.graph.nodes if not is_instrumentation(n)]
-    paths = {module_path(n) for n in nodes} & set(owners)
+    paths = {p for p in {module_path(n) for n in nodes} if p in owners}  # this graph's paths, not all the capture's
     now = _modules_at(gm, paths)
     gone = {p for p in paths if owners[p]() is not now.get(p)}
     if not gone:

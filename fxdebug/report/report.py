@@ -356,15 +356,41 @@ def _follow_dtype(gm: GraphModule, rows: list[dict[str, Any]]) -> None:
     """The dtype column as the model is now: shapes and dtypes were learnt when instrumenting, and
     after ``dbg.to(torch.float64)`` (or ``.half()``) the floating rows still said the old dtype.
     When every floating parameter has one dtype now and the rows' floating dtype was another
-    single one, those rows take the new dtype."""
-    now = {str(p.dtype).replace("torch.", "") for p in gm.parameters() if p.is_floating_point()}
+    single one, those rows take the new dtype. The parameters are those the graph reads (``_read_parameters``)."""
     then = {r["dtype"] for r in rows if isinstance(r.get("dtype"), str) and ("float" in r["dtype"] or "bfloat" in r["dtype"])}
-    if len(now) != 1 or len(then) != 1 or now == then:
+    if len(then) != 1:
+        return
+    now = {str(p.dtype).replace("torch.", "") for p in _read_parameters(gm) if p.is_floating_point()}
+    if len(now) != 1 or now == then:
         return
     old, new = then.pop(), now.pop()
     for r in rows:
         if r.get("dtype") == old:
             r["dtype"] = new
+
+
+def _read_parameters(gm: GraphModule) -> list[Any]:
+    """The parameters ``gm``'s graph reads: its ``get_attr`` targets and its module calls' parameters. A live part
+    shares the whole model's modules but reads one block of it: ``gm.parameters()`` for each part's report made a
+    report of a model captured as a part per block quadratic in its depth."""
+    out: dict[int, Any] = {}
+    modules: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("get_attr", "call_module") or is_instrumentation(node):
+            continue
+        target = str(node.target)
+        try:
+            if node.op == "get_attr":
+                p = gm.get_parameter(target)
+                out.setdefault(id(p), p)
+                continue
+            module = gm.get_submodule(target)
+        except AttributeError:  # a buffer, a constant, a target that is not there any more
+            continue
+        if id(module) not in modules:
+            modules.add(id(module))
+            out.update((id(p), p) for p in module.parameters())
+    return list(out.values())
 
 
 def _nonfinite_params(gm: GraphModule, node: Node | None) -> list[str]:
