@@ -43,9 +43,9 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _block_graphs(dbg: fxdebug.Instrumented) -> set[object]:
+def _block_graphs(dbg: fxdebug.Instrumented, block: str = "Block") -> set[object]:
     """The graphs Dynamo handed over for the block's region (one per trace; call sites share their base)."""
-    return {getattr(g, "base", None) or g for g in dbg.graphs() if REGION_NAME + "Block" in g.code}
+    return {getattr(g, "base", None) or g for g in dbg.graphs() if REGION_NAME + block + "_" in g.code}
 
 
 def test_a_32_layer_model_traces_its_block_once_and_keeps_a_row_per_layer() -> None:
@@ -120,17 +120,71 @@ def test_two_structures_of_one_class_are_two_groups_and_unrepeated_models_have_n
     assert not find_regions(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
 
 
-def test_a_block_taking_a_cache_object_is_not_a_region() -> None:
-    class Cached(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
+class Slots:
+    """A per-call state object read per layer, as Hugging Face's DynamicCache is (``cache.layers[self.idx]``)."""
 
-        def forward(self, x: torch.Tensor, cache: object = None) -> torch.Tensor:
-            return self.fc(x)
+    def __init__(self, n: int) -> None:
+        self.layers = [torch.zeros(1) for _ in range(n)]
 
-    model = nn.Sequential(*[Cached() for _ in range(5)])
-    assert not find_regions(model)  # a per-layer cache slot would make Dynamo trace every instance on its own
+
+class CachedBlock(Block):
+    def __init__(self, d: int, idx: int) -> None:
+        super().__init__(d)
+        self.idx = idx
+
+    def forward(self, x: torch.Tensor, past_key_values: Slots | None = None) -> torch.Tensor:  # type: ignore[override]
+        out = super().forward(x)
+        if past_key_values is not None:
+            past_key_values.layers[self.idx] = past_key_values.layers[self.idx] + out.sum().detach()
+        return out
+
+
+class CachedStack(nn.Module):
+    def __init__(self, n: int = 8, d: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.Linear(d, d)
+        self.layers = nn.ModuleList(CachedBlock(d, i) for i in range(n))
+
+    def forward(self, x: torch.Tensor, use_cache: bool = False) -> tuple[torch.Tensor, Slots | None]:
+        cache = Slots(len(self.layers)) if use_cache else None
+        x = self.emb(x)
+        for layer in self.layers:
+            x = layer(x, past_key_values=cache)
+        return x, cache
+
+
+def test_a_block_taking_a_cache_is_a_region_only_for_calls_that_pass_none() -> None:
+    torch.manual_seed(4)
+    model = CachedStack(8)
+    x = torch.randn(2, 8)
+    assert find_regions(model).stateful  # the group is known to take a per-call state
+    dbg = fxdebug.instrument(model, [StatCollector()], {"x": x, "use_cache": False}, frontend="dynamo")
+    assert len(_block_graphs(dbg, "CachedBlock")) == 1  # no cache: the eight layers share one trace
+    graphs = len(dbg.graphs())
+    out, cache = dbg(x, use_cache=True)  # a cache: the layers are inlined for this call (one capture, not eight)
+    want, want_cache = model(x, use_cache=True)
+    assert torch.equal(out, want)
+    assert [float(t) for t in cache.layers] == [float(t) for t in want_cache.layers]
+    assert len(_block_graphs(dbg, "CachedBlock")) == 1 and len(dbg.graphs()) == graphs + 1
+    assert torch.equal(dbg(x)[0], model(x)[0])  # and without, the shared trace again
+    calls = [r["calls"] for r in dbg.report().rows if (r["module"], r["op"]) == ("layers.7.fc1", "torch.linear")]
+    assert sum(calls) == 2  # the layer observed in both calls (the instrument() call is not counted)
+    assert not any("needs a graph per instance" in n for n in dbg.report().notes)
+
+
+def test_hf_llama_without_cache_traces_its_decoder_layer_once() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100, use_cache=False)
+    torch.manual_seed(5)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (1, 6))
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], {"input_ids": ids}, frontend="dynamo")
+    assert len(_block_graphs(dbg, "LlamaDecoderLayer")) == 1
+    with torch.no_grad():
+        assert torch.equal(dbg(input_ids=ids).logits, model(input_ids=ids).logits)
+    modules = {r["module"] for r in dbg.report().rows}
+    assert {f"model.layers.{i}.mlp.down_proj" for i in range(4)} <= modules
 
 
 def test_regions_off_captures_inlined(monkeypatch: object) -> None:

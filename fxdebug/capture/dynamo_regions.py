@@ -12,6 +12,10 @@ so a frame whose ``self`` is the block compiles once and serves every instance o
   ``ModuleList`` / ``ModuleDict`` that the owner's forward loops over, the owner's other children:
   Dynamo cannot resume after a graph break inside a loop, so it runs the owner's forward eagerly,
   and its embedding before the loop and its norm after it become regions too, instead of unobserved.
+* ``takes_state(cls)`` / ``state_free(model, kwargs)`` — a block whose forward takes a per-call state object (a
+  KV cache) reads its own slot of it (``cache.layers[self.layer_idx]``), which Dynamo guards on: shared, every
+  instance would be traced on its own. Such a group is a region only for the calls that pass no such object
+  (Hugging Face's ``use_cache=False``, in the call or in the model's config, and no cache given).
 * ``region_function(key)`` — what Dynamo compiles for one group: ``type(self).forward(self, ...)``
   behind a code object of the group's own (Dynamo keeps its cache, and its recompile limit, per code
   object; instances of one group share it).
@@ -32,7 +36,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["ENTER", "MIN_REPEATS", "REGION_NAME", "is_region_break", "region_code", "Regions", "find_regions", "region_function"]
+__all__ = ["ENTER", "MIN_REPEATS", "REGION_NAME", "is_region_break", "region_code", "Regions", "find_regions",
+           "region_function", "state_free", "takes_state"]
 
 MIN_REPEATS = 4  # instances of one class that make it a block worth one trace for all (a transformer's layers)
 REGION_NAME = "fxdebug_region_"  # the start of a region function's name (its code key names it)
@@ -46,6 +51,7 @@ class Regions:
     paths: dict[str, tuple[Any, ...]]
     blocks: int  # how many of them are repeated blocks (the rest are an eager owner's other children)
     groups: int
+    stateful: frozenset[tuple[Any, ...]] = frozenset()  # groups whose forward takes a per-call state (takes_state)
 
     def __bool__(self) -> bool:
         return bool(self.paths)
@@ -60,28 +66,39 @@ def _structure(module: nn.Module) -> tuple[Any, ...]:
 
 
 # a forward that takes a per-call state object (a KV cache) reads a slot of it per layer (``cache.layers[self.layer_idx]``):
-# Dynamo guards on that, so each instance is traced on its own, slower than one inlined capture (measured: HF GPT-2 12
-# layers 16.2 s vs 5.1 s)
+# Dynamo guards on that, so with such an object each instance is traced on its own, slower than one inlined capture
+# (measured: HF GPT-2 12 layers 16.2 s vs 5.1 s); without one (``use_cache=False``) the instances share one graph
 _PER_LAYER_STATE = frozenset({"cache", "past_key_value", "past_key_values", "layer_past", "kv_cache"})
 _SIGNATURES: dict[type, bool] = {}
 
 
 def _candidate(module: nn.Module) -> bool:
-    """A block: a module with submodules, not a container, its forward the class's own (no instance forward), not
-    taking a per-call state object."""
-    return (not isinstance(module, _CONTAINERS) and bool(module._modules) and "forward" not in module.__dict__
-            and _shareable_signature(type(module)))
+    """A block: a module with submodules, not a container, its forward the class's own (no instance forward)."""
+    return not isinstance(module, _CONTAINERS) and bool(module._modules) and "forward" not in module.__dict__
 
 
-def _shareable_signature(cls: type) -> bool:
+def takes_state(cls: type) -> bool:
+    """Whether ``cls.forward`` takes a per-call state object by one of the names models use for a KV cache."""
     found = _SIGNATURES.get(cls)
     if found is None:
         try:
             names = set(inspect.signature(getattr(cls, "forward")).parameters)
         except (TypeError, ValueError):
             names = set()
-        found = _SIGNATURES[cls] = not (names & _PER_LAYER_STATE)
+        found = _SIGNATURES[cls] = bool(names & _PER_LAYER_STATE)
     return found
+
+
+def state_free(model: nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Whether a call of ``model`` with ``kwargs`` passes its blocks no per-call state: no cache given, and
+    ``use_cache`` (the call's, else the model's ``config.use_cache``) not true. A model without either is taken at
+    its word; a block that still receives a state object is inlined at its first call (``live_regions``)."""
+    if any(kwargs.get(name) is not None for name in _PER_LAYER_STATE):
+        return False
+    use = kwargs.get("use_cache")
+    if use is None:
+        use = getattr(getattr(model, "config", None), "use_cache", None)
+    return not use
 
 
 def find_regions(model: nn.Module, min_repeats: int = MIN_REPEATS) -> Regions:
@@ -120,7 +137,8 @@ def find_regions(model: nn.Module, min_repeats: int = MIN_REPEATS) -> Regions:
                 continue
             if "forward" not in child.__dict__:
                 chosen[path] = ("child", path)
-    return Regions(chosen, blocks, len({k for k in chosen.values()}))
+    stateful = frozenset(k for k in chosen.values() if k[0] != "child" and takes_state(k[0]))
+    return Regions(chosen, blocks, len({k for k in chosen.values()}), stateful)
 
 
 def _inside(path: str, paths: Any) -> bool:

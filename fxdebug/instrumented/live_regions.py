@@ -23,7 +23,7 @@ import torch
 
 from fxdebug.capture.dynamo_backends import compiler_for, composite
 from fxdebug.capture.dynamo_recover import observing_after_errors
-from fxdebug.capture.dynamo_regions import ENTER, Regions, find_regions, region_code, region_function
+from fxdebug.capture.dynamo_regions import ENTER, Regions, find_regions, region_code, region_function, state_free
 from fxdebug.instrumented.live_call import outer_now
 from fxdebug.instrumented.live_snapshots import add_note
 
@@ -35,10 +35,16 @@ def _enabled() -> bool:
 
 
 class routed_regions:  # noqa: N801 - a context manager, used as a function
-    """For the length of one live call, each region's ``forward`` enters its compiled region function."""
+    """For the length of one live call, each region's ``forward`` enters its compiled region function.
 
-    def __init__(self, live: Any) -> None:
+    ``kwargs`` are the call's keywords: a call that passes its blocks a per-call state (a KV cache: ``use_cache``
+    true, or a cache given) leaves the groups whose forward takes one inlined for that call, and the other children of
+    their loop's owner with them (``dynamo_regions.state_free``); Dynamo keeps both captures of the caller, each
+    behind its guards. ``None``: every region is routed."""
+
+    def __init__(self, live: Any, kwargs: dict[str, Any] | None = None) -> None:
         self.live = live
+        self.kwargs = kwargs
         self.installed: list[Any] = []
 
     def __enter__(self) -> None:
@@ -55,9 +61,10 @@ class routed_regions:  # noqa: N801 - a context manager, used as a function
         routes = state.region_routes.get(id(compiler))
         if routes is None:
             routes = state.region_routes[id(compiler)] = _routes(self.live, state.regions, compiler)
-        for module, route in routes:
-            if "forward" in module.__dict__:  # the user's own instance forward, or another route: left alone
-                continue
+        inlined = _inlined_now(self.live, state.regions, self.kwargs)
+        for module, route, key in routes:
+            if "forward" in module.__dict__ or key in inlined:  # the user's own instance forward, another route, or
+                continue  # a group this call gives a cache
             module.__dict__["forward"] = route
             self.installed.append(module)
 
@@ -67,11 +74,19 @@ class routed_regions:  # noqa: N801 - a context manager, used as a function
         self.installed.clear()
 
 
-def _routes(live: Any, regions: Regions, compiler: Any) -> list[tuple[Any, Any]]:
-    """``(module, its route)`` for every region, entries compiled for ``compiler`` (one per group)."""
+def _inlined_now(live: Any, regions: Regions, kwargs: dict[str, Any] | None) -> frozenset[Any]:
+    """The group keys this call leaves inlined: the stateful groups (and the loop owners' other children) when the
+    call passes a per-call state; none otherwise."""
+    if not regions.stateful or kwargs is None or state_free(live._model, kwargs):
+        return frozenset()
+    return regions.stateful | {k for k in regions.paths.values() if k[0] == "child"}
+
+
+def _routes(live: Any, regions: Regions, compiler: Any) -> list[tuple[Any, Any, Any]]:
+    """``(module, its route, its group key)`` for every region, entries compiled for ``compiler`` (one per group)."""
     model = live._model
     compiled: dict[Any, Any] = {}
-    out: list[tuple[Any, Any]] = []
+    out: list[tuple[Any, Any, Any]] = []
     for path, key in regions.paths.items():
         try:
             module = model.get_submodule(path)
@@ -81,7 +96,7 @@ def _routes(live: Any, regions: Regions, compiler: Any) -> list[tuple[Any, Any]]
         if entry is None:
             fn = region_function(key, type(module))
             entry = compiled[key] = observing_after_errors(torch.compile(fn, backend=composite(compiler)), fn)
-        out.append((module, functools.partial(ENTER, module, functools.partial(_watched, live, key, entry))))
+        out.append((module, functools.partial(ENTER, module, functools.partial(_watched, live, key, entry)), key))
     return out
 
 
@@ -162,7 +177,8 @@ def _unshare(live: Any, key: Any) -> None:
              "per-instance value Dynamo guards on, such as a cache slot indexed by layer_idx): captured inlined instead")
 
 
-torch._dynamo.decorators.skip(_watched)
+for _eager in (_watched, _plain_arguments, _entries):  # fxdebug's own bookkeeping between a caller and a region:
+    torch._dynamo.decorators.skip(_eager)  # not frames for Dynamo to compile (they were, one graph-less frame each)
 
 
 def _note(live: Any, regions: Regions) -> None:
