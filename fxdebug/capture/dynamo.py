@@ -22,12 +22,11 @@ This module is the part of that frontend below ``instrumented/``:
 
 from __future__ import annotations
 
-import contextlib
 import re
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch.fx import GraphModule
@@ -70,17 +69,23 @@ class Session(Protocol):
 _LOCAL = threading.local()
 
 
-@contextlib.contextmanager
-def live(session: Session) -> Iterator[None]:
-    """Graphs run while this is open are handed to ``session`` (a stack: a live module inside another)."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack is None:
-        stack = _LOCAL.stack = []
-    stack.append(session)
-    try:
-        yield
-    finally:
-        stack.pop()
+class live:  # noqa: N801 - a context manager, used as a function
+    """Graphs run while this is open are handed to ``session`` (a stack: a live module inside another). A class, not
+    a generator: entered on every call of a live module (~0.5 µs instead of ~3)."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def __enter__(self) -> None:
+        stack = getattr(_LOCAL, "stack", None)
+        if stack is None:
+            stack = _LOCAL.stack = []
+        stack.append(self.session)
+
+    def __exit__(self, *exc: Any) -> None:
+        _LOCAL.stack.pop()
 
 
 def _ending(gm: GraphModule) -> tuple[bool, str, str]:

@@ -65,16 +65,25 @@ class Composite:
 
 
 def composite(compiler: Any) -> Callable[..., Any]:
-    """The Dynamo backend for ``compiler`` (``None``: fxdebug's own, eager)."""
+    """The Dynamo backend for ``compiler`` (``None``: fxdebug's own, eager). Asked at every call under an outer
+    ``torch.compile``: a compiler met before is found by identity, without the lock or an ``==`` per composite."""
     if compiler is None:
         return backend
+    hit = _BY_ID.get(id(compiler))
+    if hit is not None and hit[0] is compiler:
+        return hit[1]
     with _LOCK:
         for have, found in _COMPOSITES:
             if have is compiler or _same(have, compiler):
+                _BY_ID[id(compiler)] = (compiler, found)  # (the pair holds the compiler: its id stays its own)
                 return found
         made = Composite(compiler)
         _COMPOSITES.append((compiler, made))
+        _BY_ID[id(compiler)] = (compiler, made)
         return made
+
+
+_BY_ID: dict[int, tuple[Any, "Composite"]] = {}
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -92,9 +101,23 @@ def _innermost(callback: Any) -> Any:
 
 def outer_compiler(callback: Any) -> Any:
     """The user's backend of the eval-frame ``callback`` that was active (``None``: no outer compile, a
-    run-only or disabled frame, fxdebug's own capture, or an eager backend)."""
+    run-only or disabled frame, fxdebug's own capture, or an eager backend). Read at every call of a live module
+    under an outer ``torch.compile``: the last callback's answer is kept."""
+    global _LAST
     if callback is None or callback is False:
         return None
+    last = _LAST
+    if last[0] is callback:
+        return last[1]
+    found = _outer_compiler(callback)
+    _LAST = (callback, found)
+    return found
+
+
+_LAST: tuple[Any, Any] = (None, None)  # (the last callback outer_compiler was asked about, its answer)
+
+
+def _outer_compiler(callback: Any) -> Any:
     found = _innermost(callback)
     if found is backend or isinstance(found, Composite):  # a live module called from fxdebug's own capture
         return None

@@ -40,12 +40,22 @@ _RESUME = "torch_dynamo_resume_in"  # Dynamo's resume functions after a graph br
 
 def _attempts() -> list[str] | None:
     """Dynamo's per-thread list of the frames it tried to compile (``"name file:line"``), ``None`` on another torch."""
-    try:
-        from torch._dynamo.eval_frame import dynamo_tls
-    except ImportError:
-        return None
-    found = getattr(dynamo_tls, "traced_frame_infos", None)
+    tls = _TLS[0] if _TLS else _dynamo_tls()
+    found = getattr(tls, "traced_frame_infos", None)
     return found if isinstance(found, list) else None
+
+
+_TLS: list[Any] = []  # Dynamo's thread-local, looked up once (read at every live call: no import statement per call)
+
+
+def _dynamo_tls() -> Any:
+    tls: Any = None
+    try:
+        from torch._dynamo.eval_frame import dynamo_tls as tls
+    except ImportError:
+        pass
+    _TLS.append(tls)
+    return tls
 
 
 def _failed_codes(tb: types.TracebackType | None, attempted: set[str] | None) -> list[types.CodeType]:

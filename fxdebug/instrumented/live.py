@@ -32,7 +32,7 @@ from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.staleness import global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
-from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare, quiet_warnings
+from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare
 from fxdebug.capture.dynamo_regions import is_region_break
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.trace_info import TraceInfo
@@ -47,7 +47,7 @@ from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo
 from fxdebug.instrumented.live_call import backend_note, live_call, live_forward, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
-from fxdebug.instrumented.live_skips import watched
+from fxdebug.instrumented.live_skips import QUIET, compile_scope, run_watched
 from fxdebug.instrumented.live_state import STATE_KEY, LiveState
 from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw
@@ -58,10 +58,6 @@ from fxdebug.runtime.observer import Observer
 __all__ = ["LiveInstrumented"]
 
 _SAVED = "dynamo (before the module was saved and loaded, or copied): "
-# Dynamo warns when it graph-breaks on a builtin it cannot trace (random.random): the report's notes name the break
-_BREAK_WARNING = r"Dynamo does not know how to trace"
-_GRAD_WARNING = r".*\.grad attribute of a Tensor that is not a leaf"
-_QUIET = quiet_warnings(_GRAD_WARNING, _BREAK_WARNING)
 _WHILE_INSTRUMENTING = "_fxdebug_while_instrumenting"  # marks an error raised while a new graph was instrumented
 _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ran under it, the code Dynamo ran "
                "eagerly between graphs (after a graph break) did not")
@@ -88,7 +84,7 @@ class LiveInstrumented(Instrumented):
         info.notes.extend(notes)
         gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
         gm.__dict__[STATE_KEY] = LiveState(passes=list(passes), prior=prior, backend=backend,
-                                           compiled=_compiled_entry(model, compiler_for(backend)),
+                                           compiled=_compiled_entry(model, compiler_for(backend), compile_scope),
                                            global_hooks=global_hook_count())
         return gm
 
@@ -123,10 +119,9 @@ class LiveInstrumented(Instrumented):
             if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
                 out = self._call_under_modes(args, kwargs)
             else:
-                # Dynamo reads .grad of a resumed frame's non-leaf inputs while it captures (its warning, not the user's)
-                with live(self), dynamo_config(not state.ran), _QUIET():
+                with live(self):  # Dynamo's settings for a live capture, skips and breaks noted: live_skips.py
                     try:
-                        out = watched(self, self._entry_now())(*args, **kwargs)  # skipped frames noted (live_skips.py)
+                        out = run_watched(self, self._entry_now(), *args, **kwargs)
                     except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
                         self._raise_typed(args, kwargs, exc)
                         raise
@@ -166,7 +161,7 @@ class LiveInstrumented(Instrumented):
         for have, entry in entries:
             if have is backend:
                 return entry
-        entry = _compiled_entry(self._model, outer)
+        entry = _compiled_entry(self._model, outer, compile_scope)
         entries.append((backend, entry))
         return entry
 
@@ -225,7 +220,7 @@ class LiveInstrumented(Instrumented):
         with _disable_current_modes() as modes:
             lifted.append(list(modes))
             try:
-                with live(self), dynamo_config(not self._live_state.ran), _QUIET():
+                with live(self), dynamo_config(not self._live_state.ran), QUIET():
                     return self._entry_now()(*args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
                 self._raise_typed(args, kwargs, exc)

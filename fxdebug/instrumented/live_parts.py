@@ -15,6 +15,7 @@ from torch.fx import Graph, GraphModule, Node
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.capture.dynamo import Prepared
 from fxdebug.capture.dynamo_backends import composite
+from fxdebug.capture.dynamo_compiling import on_compile
 from fxdebug.capture.dynamo_recover import observing_after_errors
 from fxdebug.graph.meta import KEY
 from fxdebug.instrumented.module import Instrumented
@@ -136,8 +137,13 @@ def _entry(model: nn.Module) -> Any:
 _ENTRY_CODES: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
 
 
-def _compiled_entry(model: nn.Module, compiler: Any = None) -> Any:
+def _compiled_entry(model: nn.Module, compiler: Any = None, scope: Any = None) -> Any:
     """``torch.compile`` of the model's entry with fxdebug's backend for ``compiler`` (``None``: the graphs run
-    eagerly); a failed call leaves none of its codes skipped by Dynamo for good (issue 35 B1)."""
+    eagerly); a failed call leaves none of its codes skipped by Dynamo for good (issue 35 B1). With ``scope``
+    (``live_skips.compile_scope``), its Dynamo callback enters ``scope()`` around each compile, and the entry says
+    whether it could (``SCOPED``): then a call whose guards hold needs no settings around it."""
     entry = _entry(model)
-    return observing_after_errors(torch.compile(entry, backend=composite(compiler)), entry)
+    compiled = torch.compile(entry, backend=composite(compiler))
+    run = observing_after_errors(compiled, entry)
+    run.fxdebug_compile_scoped = scope is not None and on_compile(compiled, scope)  # type: ignore[attr-defined]
+    return run
