@@ -99,3 +99,28 @@ def test_the_dtype_column_follows_the_model_on_a_part_per_block(regions: None) -
     dbg(x.double())
     floats = {r["dtype"] for r in dbg.report().rows if r["dtype"]}
     assert floats == {"float64"}  # each part's rows follow the parameters that part reads
+
+
+def test_no_collection_runs_inside_a_large_report() -> None:
+    # a row per node, its columns and its summary: many objects, freed by none; the collector's sweeps over them (and
+    # over the rest of a large model's heap) cost more than building them
+    import gc
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(*[nn.Linear(4, 4) if i % 2 == 0 else nn.ReLU() for i in range(3000)]), torch.randn(2, 4)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=(x,), frontend="symbolic")
+    dbg(x)
+    runs: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(seen)
+    try:
+        report = dbg.report()
+    finally:
+        gc.callbacks.remove(seen)
+    assert runs in ([], [0])  # at most the one young collection on resuming (51, four of them older, unpaused)
+    assert len(report.rows) == 3001 and report.first_nonfinite is None  # the input and every layer

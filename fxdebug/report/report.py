@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence, cast
 from torch.fx import GraphModule, Node
 
 from fxdebug.runtime.columns import NONFINITE, ORIGIN, Column, columns_with, resolve_columns
+from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.graph.meta import is_instrumentation, module_path, op_label
 from fxdebug.runtime.lower import observers_in
 from fxdebug.runtime.kernel import runtime_notes
@@ -237,7 +238,16 @@ def _base_row(node: Node) -> dict[str, Any]:
 
 def build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None = None, frontend: str = "symbolic",
                  notes: Sequence[str] = (), calls: int = 0) -> Report:
-    """Collect every observer's summary on ``gm`` into a ``Report`` (this syncs with the device)."""
+    """Collect every observer's summary on ``gm`` into a ``Report`` (this syncs with the device).
+
+    With the cyclic collector paused (``paused_gc``): a row, its columns and its summary are several objects per
+    node, freed by none; the collector's sweeps over a large model's heap cost more than building them."""
+    with paused_gc():
+        return _build_report(gm, auto_leaves=auto_leaves, frontend=frontend, notes=notes, calls=calls)
+
+
+def _build_report(gm: GraphModule, *, auto_leaves: dict[str, str] | None, frontend: str, notes: Sequence[str],
+                  calls: int) -> Report:
     nodes = list(gm.graph.nodes)
     order = {n.name: i for i, n in enumerate(nodes)}
     observers: dict[str, Any] = {}
@@ -286,8 +296,13 @@ def merge_reports(parts: Mapping[str, Report], *, frontend: str = "symbolic", no
 
     Rows of the part at path ``p`` read ``p/node`` (module ``p.module``); the part ``""`` (a
     single-graph capture) keeps its names. The NaN/Inf origins are derived over all rows, by the
-    same rules as for one graph.
+    same rules as for one graph. (A row per node copied: the cyclic collector paused, as in ``build_report``.)
     """
+    with paused_gc():
+        return _merge_reports(parts, frontend=frontend, notes=notes)
+
+
+def _merge_reports(parts: Mapping[str, Report], *, frontend: str, notes: Sequence[str]) -> Report:
     rows: list[dict[str, Any]] = []
     all_notes, leaves = list(notes), {}
     grad_from: dict[str, list[str]] = {}
