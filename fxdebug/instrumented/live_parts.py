@@ -41,14 +41,17 @@ def _runner(part: Instrumented, count: int, keep: list[int]) -> Any:
     env: dict[Node, Node] = {}
     kept = [n for n in part.graph.nodes if n.op == "placeholder"]
     by_index: dict[int, Node] = {}
-    state = {n: n.meta.get(KEY, {}).get("dynamo_arg") for n in part.graph.nodes if n.op == "get_attr"}
+    state: dict[Any, Node] = {}  # Dynamo's argument index -> the get_attr node reading it (the first, as before)
+    for n in part.graph.nodes:
+        if n.op == "get_attr":
+            state.setdefault(n.meta.get(KEY, {}).get("dynamo_arg"), n)
     for node in kept:
         by_index[keep[len(by_index)]] = node
     for i in range(count):
         if i in by_index:
             env[by_index[i]] = graph.placeholder(by_index[i].name)
         else:
-            owner = next((n for n, idx in state.items() if idx == i), None)
+            owner = state.get(i)  # a look-up, not a scan of every get_attr per argument (quadratic in the model)
             p = graph.placeholder(owner.name if owner is not None else f"_unused_{i}")
             if owner is not None:
                 env[owner] = p
