@@ -85,7 +85,7 @@ class Fuse(Pass):
 
     name = "fuse"
     # works on the live (Dynamo) capture: the fold is computed in the graph from the live reads (fuse_live.py)
-    live_capture = False  # works on the live capture (frontend="dynamo"); "auto" keeps the snapshot in this release
+    live_capture = True
 
     def __init__(self, *, atol: float = 1e-4, rtol: float = 1e-4, where: Where = None) -> None:
         super().__init__(where=where)
@@ -207,12 +207,15 @@ class Fuse(Pass):
         assert isinstance(x, Node)
         info: dict[str, Any] = {"from": [layer_node.name, bn_node.name], "layer": str(weight.target).rpartition(".")[0],
                                 "in_graph": True}
-        if values:
+        # the input may be an earlier pair's fused call (a chain): its value is that pair's batch-norm output
+        x_value = values.get(x.name, next((values[o] for o, new in reversed(replaced.items()) if new == x.name and o in values),
+                                          None))
+        if x_value is not None:
             now = {a: get_attr(gm, str(a.target)) for a in tensors}
             w_now = folded_weight(now[weight], now[var], now.get(gamma), eps, groups)
             b_now = folded_bias(now.get(bias), now[mean], now[var], now.get(gamma), now.get(beta), eps, now[weight])
             with torch.no_grad():
-                out = layer_node.target(values[x.name], w_now, b_now, *layer_node.args[3:], **{
+                out = layer_node.target(x_value, w_now, b_now, *layer_node.args[3:], **{
                     k: v for k, v in layer_node.kwargs.items() if k != "bias"})
             info["max_abs_diff"] = self._compare_values(out, values[bn_node.name], pair, bn_node.name,
                                                         type(layer).__name__)
@@ -308,5 +311,5 @@ def _aten_why_not(layer_node: Node, bn_node: Node, layer: nn.Module, bn: Any) ->
         return f"{layer_node.name} feeds {len(users)} users ({', '.join(u.name for u in users)}); fusion needs exactly one."
     shape = node_meta(layer_node).shape
     if isinstance(layer, nn.Linear) and shape is not None and len(shape) != 2:
-        return "the linear output is not 2-d, so BatchNorm1d does not normalise its features."
+        return f"the linear outputs shape {tuple(shape)}; BatchNorm1d then normalises dim 1, not its features."
     return None

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
-__all__ = ["LIVE_BATCH_NORMS", "folded_bias", "folded_weight", "live_batch_norm_reads"]
+from fxdebug.authoring import get_attr
+
+__all__ = ["LIVE_BATCH_NORMS", "folded_bias", "folded_value", "folded_weight", "live_batch_norm_reads", "live_fold_of"]
 
 # functional batch-norm calls as Dynamo records them (nn.BatchNorm*d.forward inlined): input, running_mean,
 # running_var, weight, bias, training, momentum, eps
@@ -68,3 +70,20 @@ def folded_bias(bias: Tensor | None, mean: Tensor, var: Tensor, gamma: Tensor | 
     if beta is not None:
         out = out + beta.to(dtype)
     return out.to(like.dtype)
+
+
+def live_fold_of(node: Any) -> Node | None:
+    """The model's weight read behind ``node`` when ``node`` is a fold's ``folded_weight`` call, else ``None``.
+
+    A pass after ``Fuse`` that ranks or masks layer weights (``PruneMasks``) sees a folded layer through it: the
+    layer computes with the folded weight, as the snapshot's fused copy does, so that is what it ranks and masks."""
+    if isinstance(node, Node) and node.op == "call_function" and node.target is folded_weight and node.args:
+        read = node.args[0]
+        return read if isinstance(read, Node) and read.op == "get_attr" else None
+    return None
+
+
+def folded_value(gm: GraphModule, node: Node) -> Tensor:
+    """What a ``folded_weight`` node of ``gm`` computes now, from the model's parameters and buffers as they are."""
+    weight, var, gamma, eps, groups = (get_attr(gm, str(a.target)) if isinstance(a, Node) else a for a in node.args)
+    return folded_weight(weight, var, gamma, eps, groups).detach()

@@ -19,7 +19,7 @@ example inputs.
 
 from __future__ import annotations
 
-import copy
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -31,66 +31,12 @@ from fxdebug.authoring import (
     Options, Pass, PassContext, PassResult, Where, get_module, is_conv, is_linear, keep_state, node_meta, node_values,
 )
 
-from .derived import mark_derived
+from .fuse_live import folded_value, live_fold_of
+from .prune_modules import Masked, MaskedValue, bake as _bake
 from .prune_aten import before_first_user, ffn_pairs, pair_masks
 from .prune_groups import channel_groups
 
 __all__ = ["Masked", "MaskedValue", "PruneMasks", "sparsity", "unmask"]
-
-
-class Masked(nn.Module):
-    """Calls a layer with some of its parameters multiplied by 0/1 masks.
-
-    The layer is referenced, not owned (it stays where it is in the model, so ``state_dict()``
-    keys do not change); masks are non-persistent buffers that follow ``.to(device)``.
-    """
-
-    def __init__(self, layer: nn.Module, path: str, masks: dict[str, Tensor]) -> None:
-        super().__init__()
-        object.__setattr__(self, "layer", layer)
-        self.path = path
-        self.names = sorted(masks)
-        for name, mask in masks.items():
-            self.register_buffer(f"mask_{name}", mask, persistent=False)
-
-    def mask(self, name: str) -> Tensor:
-        return getattr(self, f"mask_{name}")
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        params = {n: getattr(self.layer, n) * self.mask(n) for n in self.names}
-        return torch.func.functional_call(self.layer, params, args, kwargs)
-
-    def extra_repr(self) -> str:
-        return f"layer={self.path!r}, sparsity={1 - self.mask('weight').float().mean().item():.3f}" if "weight" in self.names else f"layer={self.path!r}"
-
-
-class MaskedValue(nn.Module):
-    """Multiplies one parameter as an export (aten-level) graph reads it (a ``get_attr``) by a fixed
-    0/1 mask: the aten op then computes with the masked weight, the model keeps its own."""
-
-    def __init__(self, path: str, name: str, mask: Tensor) -> None:
-        super().__init__()
-        self.path, self.name = path, name
-        self.register_buffer("mask_value", mask, persistent=False)
-
-    def forward(self, value: Tensor) -> Tensor:
-        return value * self.mask_value
-
-    def extra_repr(self) -> str:
-        return f"{self.path}.{self.name}, sparsity={1 - self.mask_value.float().mean().item():.3f}"
-
-
-def _bake(layer: nn.Module, masks: dict[str, Tensor]) -> nn.Module:
-    """A copy of ``layer`` with masked entries zeroed and kept at zero by gradient hooks."""
-    baked = copy.deepcopy(layer)
-    for name, mask in masks.items():
-        old = getattr(layer, name)
-        new = nn.Parameter(old.detach() * mask, requires_grad=old.requires_grad)
-        if new.requires_grad:
-            new.register_hook(lambda g, m=mask: g * m)
-        setattr(baked, name, new)
-    baked._fxdebug_masks = masks  # type: ignore[attr-defined]
-    return mark_derived(baked)  # the model keeps its own weights; the copy is not in dbg.state_dict()
 
 
 def _lowest(scores: Tensor, k: int) -> Tensor:
@@ -118,7 +64,7 @@ class PruneMasks(Pass):
 
     name = "prune-masks"
     # works on the live (Dynamo) capture: the masks multiply the weights as the graph reads them, at every call
-    live_capture = False  # works on the live capture (frontend="dynamo"); "auto" keeps the snapshot in this release
+    live_capture = True
 
     def __init__(self, amount: float, structured: bool | str = False, scope: str = "global",
                  importance: str = "magnitude", bake: bool = False, *, loss_fn: Callable[[Any], Tensor] | None = None,
@@ -137,12 +83,10 @@ class PruneMasks(Pass):
             raise UsageError("PruneMasks(importance=\"grad\") needs loss_fn=, a function of the model's output "
                              "returning a scalar loss (e.g. lambda out: F.cross_entropy(out, y)).")
         self.amount, self.structured, self.scope, self.importance, self.bake = float(amount), structured or False, scope, importance, bake
-        self.loss_fn, self.batch, self.norm = loss_fn, batch, norm
-        self.prune_outputs = bool(prune_outputs)
+        self.loss_fn, self.batch, self.norm, self.prune_outputs = loss_fn, batch, norm, bool(prune_outputs)
         # what the functional graphs of a live capture cannot do yet (``_refuse_export``; a grad loss sees Dynamo's
-        # output tuple): instrument()'s auto choice captures a snapshot for these
-        if bake or structured or importance != "magnitude":  # channels there: a feed-forward block's only
-            self.live_capture = False
+        # output tuple; channels there are a feed-forward block's only): instrument()'s auto choice takes a snapshot
+        self.live_capture = not (bake or structured or importance != "magnitude")
 
     # -- what to prune --------------------------------------------------------------------------
     def _aten_layers(self, gm: GraphModule, ctx: PassContext) -> dict[str, tuple[nn.Module, dict[str, Node]]]:
@@ -152,10 +96,11 @@ class PruneMasks(Pass):
         for node in ctx.nodes(gm, self.where, ops=("call_function",)):
             if not (is_conv(node, gm) or is_linear(node, gm)) or len(node.args) < 2:
                 continue
-            w = node.args[1]
-            if not isinstance(w, Node) or w.op != "get_attr" or not str(w.target).endswith(".weight"):
+            w = node.args[1]  # the weight read, or (Fuse before, on a Dynamo graph) its fold with the batch-norm
+            read = (live_fold_of(w) if self.importance == "magnitude" else None) or w
+            if not isinstance(read, Node) or read.op != "get_attr" or not str(read.target).endswith(".weight"):
                 continue
-            path = str(w.target).rpartition(".")[0]
+            path = str(read.target).rpartition(".")[0]
             layer = gm.get_submodule(path)
             if not isinstance(layer, (nn.modules.conv._ConvNd, nn.Linear)):
                 continue
@@ -355,7 +300,6 @@ class PruneMasks(Pass):
         notes.append(f"global: {stats['global']:.1%} of {stats['weights']} weights in pruned layers masked.")
         return PassResult(gm, replaced=replaced, notes=notes)
 
-
     def _prune_pairs(self, gm: GraphModule, ctx: PassContext,
                      aten: dict[str, tuple[nn.Module, dict[str, Node]]]) -> PassResult:
         """Graphs calling ``linear`` as a function: a feed-forward block's hidden channels (``prune_aten``)."""
@@ -404,8 +348,9 @@ class PruneMasks(Pass):
     def _mask_reads(self, gm: GraphModule, ctx: PassContext,
                     aten: dict[str, tuple[nn.Module, dict[str, Node]]]) -> PassResult:
         """Export graphs: every read of a pruned weight goes through a ``MaskedValue``."""
-        layers = {p: layer for p, (layer, _) in aten.items()}
-        masks = self._unstructured(gm, ctx, layers)
+        layers = {p: SimpleNamespace(weight=folded_value(gm, r["weight"])) if live_fold_of(r["weight"]) else layer
+                  for p, (layer, r) in aten.items()}  # a folded layer is ranked by the weight it computes with
+        masks = self._unstructured(gm, ctx, layers)  # type: ignore[arg-type]
         added: list[Node] = []
         for path, layer_masks in masks.items():
             w = layer_masks["weight"]
@@ -462,13 +407,15 @@ def _masks_of(module: nn.Module) -> dict[str, Tensor] | None:
 def sparsity(gm: GraphModule) -> dict[str, Any]:
     """``{"layers": {layer path: fraction of weights masked}, "global": fraction, "weights": count}``.
 
-    Read from the masks in the graph, so it is what the model really computes with. Batch-norm
+    Read from the masks in the graph(s) (``gm`` a GraphModule or an instrumented module, live or not: each of its
+    ``parts()``), so it is what the model really computes with. Batch-norm
     parameters zeroed along with pruned channels are not counted.
     """
     layers: dict[str, float] = {}
     masked = total = 0
-    for node in gm.graph.nodes:
-        mod = get_module(gm, node)
+    graphs = list(gm.parts().values()) if callable(getattr(gm, "parts", None)) else [gm]  # an Instrumented: each part
+    for part, node in ((p, n) for p in graphs for n in p.graph.nodes):
+        mod = get_module(part, node)
         masks = _masks_of(mod) if mod is not None else None
         if not masks or "weight" not in masks or masks["weight"].dim() < 2:
             continue  # batch-norm followers of pruned channels are not counted as weights
@@ -483,17 +430,24 @@ def sparsity(gm: GraphModule) -> dict[str, Any]:
 
 
 def unmask(gm: GraphModule) -> GraphModule:
-    """Undo graph masks: every masked call calls its original layer again (in place on ``gm``)."""
-    for node in list(gm.graph.nodes):
-        mod = get_module(gm, node)
-        if isinstance(mod, MaskedValue):  # an export graph's masked weight read
-            node.replace_all_uses_with(node.args[0])
-            gm.graph.erase_node(node)
-            continue
-        if isinstance(mod, Masked):
-            node.target = mod.path
-            meta = node_meta(node)
-            meta.transforms = {k: v for k, v in meta.transforms.items() if k != PruneMasks.name}
-            meta.raw.pop("stands_for", None)
-    gm.recompile()
+    """Undo graph masks: every masked call calls its original layer again (in place on ``gm``, or on each of a
+    snapshot instrumented module's ``parts()``). A live capture's graphs are Dynamo's, compiled as they were
+    captured: an edit to them would not be what runs, so that is refused."""
+    if getattr(getattr(gm, "trace_info", None), "frontend", None) == "dynamo":
+        raise UsageError("unmask(): this module is the live (Dynamo) capture, whose graphs run as Dynamo compiled "
+                         "them; an edit here would not be what runs. Instrument the model again without PruneMasks "
+                         "(or with frontend='symbolic' to edit one graph).", pass_name=PruneMasks.name)
+    for part in list(gm.parts().values()) if callable(getattr(gm, "parts", None)) else [gm]:
+        for node in list(part.graph.nodes):
+            mod = get_module(part, node)
+            if isinstance(mod, MaskedValue):  # an export or Dynamo graph's masked weight read
+                node.replace_all_uses_with(node.args[0])
+                part.graph.erase_node(node)
+                continue
+            if isinstance(mod, Masked):
+                node.target = mod.path
+                meta = node_meta(node)
+                meta.transforms = {k: v for k, v in meta.transforms.items() if k != PruneMasks.name}
+                meta.raw.pop("stands_for", None)
+        part.recompile()
     return gm

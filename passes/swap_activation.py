@@ -67,7 +67,7 @@ class SwapActivation(Pass):
 
     name = "swap-activation"
     # works on the live (Dynamo) capture: its functional relu calls are replaced as module calls are
-    live_capture = False  # works on the live capture (frontend="dynamo"); "auto" keeps the snapshot in this release
+    live_capture = True
 
     def __init__(self, negative_slope: float = 0.01, to: Callable[[], nn.Module] | None = None,
                  only_dead: float | None = None, *, report: Any = None, where: Where = None) -> None:

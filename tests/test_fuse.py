@@ -14,14 +14,6 @@ from fxdebug.passes import Fuse, PruneMasks, StatCollector, SwapActivation
 from zoo import ZOO
 
 
-@pytest.fixture(autouse=True)
-def _snapshot_auto(monkeypatch):
-    """These tests pin the snapshot transforms (dbg.graph, module-level structure, shrink): frontend="auto" stays on the
-    snapshot chain here, as it was when they were written; the live transforms are tests/test_live_transforms.py."""
-    import fxdebug.api
-
-    monkeypatch.setattr(fxdebug.api, "AUTO_IS_LIVE", False)
-
 
 BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
@@ -51,7 +43,8 @@ def test_conv_and_transpose_fuse_exactly_enough(layer, dim):
     model = _randomise_bn(nn.Sequential(layer, BN[dim](layer.out_channels), nn.ReLU()))
     x = torch.randn(2, layer.in_channels, *([5] * dim))
     state = copy.deepcopy(model.state_dict())
-    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
+    # the subject is the snapshot's fused copy (dbg.graph, its module, its own tensors); live: test_live_transforms.py
+    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,), frontend="symbolic")
     assert not any(fxdebug.authoring.is_batchnorm(n, dbg) for n in dbg.graph.nodes)
     with torch.no_grad():
         torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
@@ -78,7 +71,7 @@ def test_linear_batchnorm1d_fuses_on_2d_and_is_left_alone_on_3d():
     odd = _randomise_bn(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(3)))
     dbg = fxdebug.instrument(odd, [Fuse()], example_inputs=(torch.randn(2, 3, 4),))
     assert not dbg.pass_results[0].replaced
-    assert any("normalises dim 1" in n for n in dbg.pass_results[0].notes)
+    assert any("normalises dim 1" in n for n in dbg.pass_results[0].notes), dbg.pass_results[0].notes
 
 
 class TwoUsers(nn.Module):
@@ -113,18 +106,18 @@ class BrokenFuse(Fuse):
 
 def test_a_wrong_fold_raises_instead_of_returning_a_wrong_model():
     model = _randomise_bn(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
-    with pytest.raises(fxdebug.PassError, match="changes the output by up to") as info:
-        fxdebug.instrument(model, [BrokenFuse()], example_inputs=(torch.randn(2, 3, 4, 4),))
+    with pytest.raises(fxdebug.PassError, match="changes the output by up to") as info:  # fold() is the snapshot's copy
+        fxdebug.instrument(model, [BrokenFuse()], example_inputs=(torch.randn(2, 3, 4, 4),), frontend="symbolic")
     assert info.value.node == "_1"
 
 
 def test_residual_cnn_fuses_every_pair_and_composes_with_other_passes():
     model, (x,) = ZOO["residual_cnn"]()
     _randomise_bn(model)
-    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
+    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,), frontend="symbolic")  # counts the snapshot graph's fused nodes
     assert len([n for n in dbg.graph.nodes if "fuse" in fxdebug.authoring.node_meta(n).transforms]) == 10
     swapped = fxdebug.instrument(model, [SwapActivation()], example_inputs=(x,))
-    both = fxdebug.instrument(model, [Fuse(), SwapActivation(), StatCollector()], example_inputs=(x,))
+    both = fxdebug.instrument(model, [Fuse(), SwapActivation(), StatCollector()], example_inputs=(x,), frontend="symbolic")
     with torch.no_grad():
         torch.testing.assert_close(dbg(x), model(x), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(both(x), swapped(x), atol=1e-5, rtol=1e-5)
@@ -153,15 +146,16 @@ def test_transforms_doc_example_runs():
     block = re.findall(r"```python\n(.*?)```", text, flags=re.S)[0]
     ns: dict = {}
     exec(compile(block.replace("print(", "_ = ("), "transforms.md", "exec"), ns)
-    assert ns["dbg"].pass_results[0].notes[0].startswith("fused Conv2d (stem_0) + BatchNorm2d (stem_1)")
+    note = ns["dbg"].pass_results[0].notes[0]  # the live default folds in the graph; a snapshot names a fused copy
+    assert note.startswith("fused ") and "stem_0" in note and "stem_1" in note and "max |diff|" in note
     assert abs(ns["sparsity"](ns["dbg"])["global"] - 0.3) < 1e-3
 
 
 def test_fused_layers_keep_the_models_state_dict_keys():
     model, (x,) = ZOO["residual_cnn"]()
     model.eval()
-    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,))
-    assert any(n.startswith("fxdebug.") for n, _ in dbg.named_parameters())  # the fused copies exist
+    dbg = fxdebug.instrument(model, [Fuse()], example_inputs=(x,), frontend="symbolic")
+    assert any(n.startswith("fxdebug.") for n, _ in dbg.named_parameters())  # the snapshot's fused copies exist
     assert list(dbg.state_dict()) == list(model.state_dict())
     model.load_state_dict(dbg.state_dict())
     dbg.load_state_dict(model.state_dict())

@@ -169,7 +169,7 @@ def _tiny_bert():
 def _masked_values(dbg):
     from fxdebug.passes.prune import MaskedValue
 
-    return [m for m in dbg.modules() if isinstance(m, MaskedValue)]
+    return [m for part in dbg.parts().values() for m in getattr(part, "fxdebug").modules() if isinstance(m, MaskedValue)]
 
 
 def test_prune_channels_prunes_berts_feed_forward_channels():

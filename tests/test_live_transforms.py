@@ -57,7 +57,27 @@ def test_live_transform_matches_snapshot_transform(make):
     assert live.trace_info.frontend == "dynamo"
     torch.testing.assert_close(live(X), snap(X), rtol=1e-5, atol=1e-6)
     assert not torch.equal(live(X), _net()(X)) or make is TRANSFORMS[2]  # swap and prune change the output
-    assert getattr(make(), "live_capture", True) is False  # explicit frontend="dynamo" in this release; auto: snapshot
+    auto = fxdebug.instrument(_net(), [make(), StatCollector()], (X,))  # the default rides the live capture too
+    assert make().live_capture is True and auto.trace_info.frontend == "dynamo"
+    torch.testing.assert_close(auto(X), live(X), rtol=0, atol=0)
+
+
+def test_structured_pruning_keeps_the_snapshot_under_auto():
+    """Channels on Dynamo's graphs are a feed-forward block's only (commit 3aa39cc): auto takes the snapshot."""
+    dbg = fxdebug.instrument(_net(), [PruneMasks(0.5, structured="channels")], (X,))
+    assert dbg.trace_info.frontend != "dynamo"
+    assert any("live_capture is False" in n for n in dbg.trace_info.notes)
+
+
+def test_live_prune_after_fuse_ranks_and_masks_the_folded_weights():
+    """Fuse then PruneMasks: the snapshot prunes the fused layers' weights; the live capture masks the weights the
+    folded layer computes with (ranked among all layers as the snapshot ranks them), not only the unfused layers."""
+    live = fxdebug.instrument(_net(), [Fuse(), PruneMasks(0.5)], (X,), frontend="dynamo")
+    snap = fxdebug.instrument(_net(), [Fuse(), PruneMasks(0.5)], (X,), frontend="symbolic")
+    masked = {m.path for part in live.parts().values() for m in part.fxdebug.modules() if type(m).__name__ == "MaskedValue"}
+    assert masked == {"conv", "fc"}
+    torch.testing.assert_close(live(X), snap(X), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(live.to_module()(X), live(X), rtol=1e-5, atol=1e-6)
 
 
 def test_live_swap_follows_load_state_dict():

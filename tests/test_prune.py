@@ -15,22 +15,19 @@ from fxdebug.passes.prune_groups import channel_groups
 from zoo import ZOO
 
 
-@pytest.fixture(autouse=True)
-def _snapshot_auto(monkeypatch):
-    """These tests pin the snapshot transforms (dbg.graph, module-level structure, shrink): frontend="auto" stays on the
-    snapshot chain here, as it was when they were written; the live transforms are tests/test_live_transforms.py."""
-    import fxdebug.api
-
-    monkeypatch.setattr(fxdebug.api, "AUTO_IS_LIVE", False)
-
 
 
 def _masks(dbg):
+    """``{layer: weight mask}`` from every captured graph (the live capture's parts, or a snapshot's one graph)."""
     out = {}
-    for n in dbg.graph.nodes:
-        if "prune-masks" in fxdebug.authoring.node_meta(n).transforms:
-            mod = dbg.get_submodule(str(n.target))
-            out[fxdebug.authoring.node_meta(n).transforms["prune-masks"]["layer"]] = mod.mask("weight") if hasattr(mod, "mask") else mod._fxdebug_masks["weight"]
+    for part in dbg.parts().values():
+        for n in part.graph.nodes:
+            info = fxdebug.authoring.node_meta(n).transforms.get("prune-masks")
+            mod = fxdebug.authoring.get_module(part, n) if info else None
+            if mod is None or getattr(mod, "name", "weight") != "weight":
+                continue
+            mask = mod.mask("weight") if hasattr(mod, "mask") else getattr(mod, "mask_value", None)
+            out.setdefault(info["layer"], mask if mask is not None else mod._fxdebug_masks["weight"])
     return out
 
 
@@ -59,6 +56,10 @@ def test_unstructured_sparsity_is_exact_and_weights_untouched(scope):
         for p, m in masks.items():
             masked.get_submodule(p).weight.mul_(m)
         torch.testing.assert_close(dbg(x), masked(x))
+        if dbg.trace_info.frontend == "dynamo":  # the live default: its graphs are Dynamo's, an edit would not run
+            with pytest.raises(fxdebug.UsageError, match="live"):
+                unmask(dbg)
+            dbg = fxdebug.instrument(model, [PruneMasks(0.3, scope=scope)], example_inputs=(x,), frontend="symbolic")
         unmask(dbg)
         torch.testing.assert_close(dbg(x), model(x))
 
@@ -170,7 +171,8 @@ def test_channel_groups_follow_concatenation_and_pin_inputs():
 def test_zoo_prunes_without_breaking(name):
     model, inputs = ZOO[name]()
     dbg = fxdebug.instrument(model, [PruneMasks(0.5)], example_inputs=inputs)
-    dbg.graph.lint()
+    for part in dbg.parts().values():  # the live default may hold several graphs (a graph break)
+        part.graph.lint()
     out = dbg(*inputs)
     leaves = out.values() if isinstance(out, dict) else out if isinstance(out, tuple) else [out]
     assert all(torch.isfinite(t).all() for t in leaves)

@@ -12,14 +12,6 @@ from fxdebug.passes import StatCollector, SwapActivation
 from zoo import ZOO
 
 
-@pytest.fixture(autouse=True)
-def _snapshot_auto(monkeypatch):
-    """These tests pin the snapshot transforms (dbg.graph, module-level structure, shrink): frontend="auto" stays on the
-    snapshot chain here, as it was when they were written; the live transforms are tests/test_live_transforms.py."""
-    import fxdebug.api
-
-    monkeypatch.setattr(fxdebug.api, "AUTO_IS_LIVE", False)
-
 
 FORMS = ["module", "module_inplace", "F", "F_inplace", "torch", "torch_", "method", "method_"]
 
@@ -43,10 +35,20 @@ class AllForms(nn.Module):
         return torch.cat(outs, dim=1)
 
 
+def _nodes(dbg):
+    """``(graph, node)`` of every captured graph: the live default's parts (a recompile adds one), a snapshot's one."""
+    return [(part, n) for part in dbg.parts().values() for n in part.graph.nodes]
+
+
+def _lint(dbg):
+    for part in dbg.parts().values():
+        part.graph.lint()
+
+
 def test_every_relu_form_is_swapped_and_only_negatives_change():
     model, x = AllForms(), torch.randn(7, 6)
     dbg = fxdebug.instrument(model, [SwapActivation(negative_slope=0.1)], example_inputs=(x,))
-    assert not any(fxdebug.authoring.is_relu(n, dbg) for n in dbg.graph.nodes)
+    assert not any(fxdebug.authoring.is_relu(n, part) for part, n in _nodes(dbg))
     assert len(dbg.pass_results[0].replaced) == len(FORMS)
     with torch.no_grad():
         pre = torch.cat(model.pre(x), dim=1)
@@ -54,14 +56,16 @@ def test_every_relu_form_is_swapped_and_only_negatives_change():
     torch.testing.assert_close(out, F.leaky_relu(pre, 0.1))
     assert torch.equal(out[pre >= 0], ref[pre >= 0])
     assert (out[pre < 0] != ref[pre < 0]).all()
-    dbg.graph.lint()
+    assert not any(fxdebug.authoring.is_relu(n, part) for part, n in _nodes(dbg))  # the no_grad call's graph too
+    _lint(dbg)
 
 
 def test_nothing_else_is_touched_and_model_is_not_mutated():
     model, (x,) = ZOO["residual_cnn"]()
     before = fxdebug.trace(model, (x,))
     others = [(n.name, n.op, str(n.target)) for n in before.graph.nodes if not fxdebug.authoring.is_relu(n, before)]
-    dbg = fxdebug.instrument(model, [SwapActivation()], example_inputs=(x,))
+    # the subject is the snapshot graph's nodes beside the symbolic trace's (the live capture's are Dynamo's)
+    dbg = fxdebug.instrument(model, [SwapActivation()], example_inputs=(x,), frontend="symbolic")
     after = {(n.name, n.op, str(n.target)) for n in dbg.graph.nodes}
     assert set(others) <= after
     assert isinstance(model.layer1[0].relu, nn.ReLU) and isinstance(model.stem[2], nn.ReLU)
@@ -87,14 +91,15 @@ def test_inplace_semantics_are_kept(to):
     act = nn.GELU() if to else nn.LeakyReLU(0.01)
     with torch.no_grad():
         torch.testing.assert_close(dbg(x.clone()), _inplace_reference(model, x, act))
-    assert not any(fxdebug.authoring.is_relu(n, dbg) for n in dbg.graph.nodes)
+    assert not any(fxdebug.authoring.is_relu(n, part) for part, n in _nodes(dbg))
 
 
 def test_to_factory_replaces_with_any_activation():
     model, (x,) = ZOO["control_flow"]()
     dbg = fxdebug.instrument(model, [SwapActivation(to=lambda: nn.ELU(0.5))], example_inputs=(x,))
-    mods = [type(dbg.get_submodule(str(n.target))) for n in dbg.graph.nodes if n.op == "call_module" and "swap-activation" in fxdebug.authoring.node_meta(n).transforms]
-    assert mods == [nn.ELU]
+    mods = {type(fxdebug.authoring.get_module(part, n)) for part, n in _nodes(dbg)
+            if n.op == "call_module" and "swap-activation" in fxdebug.authoring.node_meta(n).transforms}
+    assert mods == {nn.ELU}
 
 
 class TwoLayers(nn.Module):
@@ -134,9 +139,11 @@ def test_only_dead_without_a_report_says_what_to_do():
 def test_zoo_runs_and_matches_leaky_reference_where_no_relu(name):
     model, inputs = ZOO[name]()
     dbg = fxdebug.instrument(model, [SwapActivation()], example_inputs=inputs)
-    dbg.graph.lint()
+    _lint(dbg)
     relus = [n for n in fxdebug.trace(model, inputs).graph.nodes if fxdebug.authoring.is_relu(n)]
-    assert len(dbg.pass_results[0].replaced) == len(relus)
+    swapped = [r for part in dbg.parts().values() for r in fxdebug.authoring.graph_record(part).passes
+               if r.pass_name == "swap-activation"]  # one record per captured graph
+    assert sum(len(r.replaced) for r in swapped) == len(relus)
     if not relus:
         model.eval(), dbg.eval()
         with torch.no_grad():
