@@ -20,6 +20,11 @@ instrumented graph Inductor compiles; graph breaks beyond the model's own would 
     python tools/bench_compile.py --models "hf gpt2 2L d64 2x16" --rounds 5
     python tools/bench_compile.py --cold 0         # steady state only
     python tools/bench_compile.py --stats inline   # the observation as reductions Inductor fuses into the producers
+    python tools/bench_compile.py --cold 0 --baseline /tmp/base   # steady state here and in another checkout
+
+``--baseline DIR``: a checkout of an earlier tree (``git archive <commit> | tar -x -C DIR``); its steady state is
+measured by its own ``tools/bench_compile.py`` in processes alternating with this tree's (``--pairs`` each), so a
+before/after pair shares the machine's load; the table gives both, each the median over its processes.
 """
 
 from __future__ import annotations
@@ -118,12 +123,13 @@ def steady(name: str, rounds: int, calls: int) -> dict[str, Any]:
             "rows": len(dbg.report().rows)}
 
 
-def _child(args: list[str], cache: bool = False, stats: str = "extern") -> dict[str, Any]:
+def _child(args: list[str], cache: bool = False, stats: str = "extern", root: str | None = None) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1", FXDEBUG_COMPILE_STATS=stats)
     if not cache:
         env.update(TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="fxdebug_bench_compile_"),
                    TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-    done = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], capture_output=True, text=True,
+    script = str(Path(root) / "tools" / "bench_compile.py") if root else __file__
+    done = subprocess.run([sys.executable, script, "--child", json.dumps(args)], capture_output=True, text=True,
                           env=env, check=False)
     if done.returncode:
         raise RuntimeError(f"{args}: {done.stderr[-3000:]}")
@@ -138,6 +144,8 @@ def main() -> None:
     p.add_argument("--stats", choices=("extern", "inline"), default="extern",
                    help="the observation in compiled graphs: one extern op call per node, or inlined reductions")
     p.add_argument("--cold", type=int, default=3, help="cold-compile processes per variant (alternating order); 0: steady state only")
+    p.add_argument("--baseline", help="another checkout whose steady state is measured alongside (before/after)")
+    p.add_argument("--pairs", type=int, default=2, help="with --baseline: processes per tree, alternating")
     p.add_argument("--child", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -145,6 +153,9 @@ def main() -> None:
         print(json.dumps(cold(*rest) if kind == "cold" else steady(rest[0], int(rest[1]), int(rest[2]))))
         return
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min average, {os.cpu_count()} CPUs); observation: {a.stats}")
+    if a.baseline:
+        _compare(a)
+        return
     print("| model | plain ms | fxdebug ms | steady ratio (min..max) | compile s plain | compile s fxdebug | "
           "cold ratio | instrument s | graphs plain / fxdebug | graph breaks plain / fxdebug |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -175,6 +186,26 @@ def main() -> None:
         print(f"  {name}: cold compile s, each run: plain {cf['plain_spread']}, fxdebug {cf['spread']}")
         for note in cf.get("notes", []):
             print(f"  {name}: {note}")
+    print(f"load after: {os.getloadavg()[0]:.2f}")
+
+
+def _compare(a: argparse.Namespace) -> None:
+    """Steady state of ``a.baseline`` and of this tree, in alternating processes (``a.pairs`` each), per model."""
+    print(f"baseline: {a.baseline}")
+    print("| model | plain ms | fxdebug ms before | fxdebug ms after | ratio before (min..max) | ratio after (min..max) |")
+    print("|---|---|---|---|---|---|")
+    for name in a.models:
+        runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+        for i in range(a.pairs):
+            for which in (("before", "after") if i % 2 == 0 else ("after", "before")):
+                root = a.baseline if which == "before" else None
+                runs[which].append(_child(["steady", name, a.rounds, a.calls], cache=True, stats=a.stats, root=root))
+        med = {k: {f: statistics.median(r[f] for r in v) for f in ("plain_ms", "fxdebug_ms", "ratio")} for k, v in runs.items()}
+        spread = {k: (min(r["ratio_min"] for r in v), max(r["ratio_max"] for r in v)) for k, v in runs.items()}
+        plain = statistics.median([r["plain_ms"] for v in runs.values() for r in v])
+        print(f"| {name} | {plain:.2f} | {med['before']['fxdebug_ms']:.2f} | {med['after']['fxdebug_ms']:.2f} | "
+              f"{med['before']['ratio']:.2f}x ({spread['before'][0]:.2f}..{spread['before'][1]:.2f}) | "
+              f"**{med['after']['ratio']:.2f}x** ({spread['after'][0]:.2f}..{spread['after'][1]:.2f}) |", flush=True)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
