@@ -142,14 +142,14 @@ def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     with routed_skipped_modules(live), recorded_skips() as skips, recorded_breaks(type(live._model)):
         captured = len(state.parts)
         try:
-            with routed_regions(live):
+            with routed_regions(live, kwargs):
                 out = entry(*args, **kwargs)
         except NotShared:  # instrument()'s example call: a group of blocks needs a graph each: captured inlined
             for graph in list(state.parts)[captured:]:  # the parts of the abandoned try
                 del state.parts[graph]
             forget_entry(live._model)  # the entry's graphs broke at every block: traced again, blocks inlined
             state.sites = type(state.sites)()
-            with routed_regions(live):
+            with routed_regions(live, kwargs):
                 out = entry(*args, **kwargs)
     _notes_after(live, skips, args, kwargs)
     return out

@@ -87,8 +87,8 @@ class LiveState:
     regions: Any = None
     """The model's regions (``capture.dynamo_regions.Regions``: repeated blocks traced once), found at the first
     call; ``None`` until then (``live_regions``)."""
-    region_routes: dict[int, list[tuple[Any, Any]]] = field(default_factory=dict)
-    """``id(compiler)`` -> ``(module, route)`` for each region: the instance ``forward`` set for one call, entering
+    region_routes: dict[int, list[tuple[Any, Any, Any]]] = field(default_factory=dict)
+    """``id(compiler)`` -> ``(module, route, group key)`` for each region: the instance ``forward`` set for one call, entering
     the region's function compiled with fxdebug's backend for that compiler (eager, Inductor, an outer compile's)."""
     region_seen: dict[Any, set[int]] = field(default_factory=dict)
     """Group key -> ``id`` of the instances that ran its region so far, while it is not known to share one graph."""
