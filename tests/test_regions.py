@@ -172,19 +172,38 @@ def test_a_block_taking_a_cache_is_a_region_only_for_calls_that_pass_none() -> N
     assert not any("needs a graph per instance" in n for n in dbg.report().notes)
 
 
+_HF_LLAMA = """
+import os, torch, transformers, fxdebug
+from fxdebug.capture.dynamo_regions import REGION_NAME
+from fxdebug.passes import NaNCheck, StatCollector
+cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=100, use_cache=False)
+torch.manual_seed(5)
+model = transformers.LlamaForCausalLM(cfg).eval()
+ids = torch.randint(0, 100, (1, 6))
+dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], {"input_ids": ids}, frontend="dynamo")
+layer = {getattr(g, "base", None) or g for g in dbg.graphs() if REGION_NAME + "LlamaDecoderLayer_" in g.code}
+assert len(layer) == 1, len(layer)
+with torch.no_grad():
+    assert torch.equal(dbg(input_ids=ids).logits, model(input_ids=ids).logits)
+modules = {r["module"] for r in dbg.report().rows}
+missing = {f"model.layers.{i}.mlp.down_proj" for i in range(4)} - modules
+assert not missing, missing
+print("ok")
+"""
+
+
 def test_hf_llama_without_cache_traces_its_decoder_layer_once() -> None:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100, use_cache=False)
-    torch.manual_seed(5)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(0, 100, (1, 6))
-    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], {"input_ids": ids}, frontend="dynamo")
-    assert len(_block_graphs(dbg, "LlamaDecoderLayer")) == 1
-    with torch.no_grad():
-        assert torch.equal(dbg(input_ids=ids).logits, model(input_ids=ids).logits)
-    modules = {r["module"] for r in dbg.report().rows}
-    assert {f"model.layers.{i}.mlp.down_proj" for i in range(4)} <= modules
+    # in a fresh process: a regional capture of an HF decoder leaves Dynamo skipping HF's shared forward wrappers
+    # for later models of other classes in the same process (a known gap of the opt-in regions, see the notes)
+    pytest.importorskip("transformers")
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _HF_LLAMA], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "FXDEBUG_REGIONS": "1"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_regions_off_captures_inlined(monkeypatch: object) -> None:
