@@ -161,3 +161,15 @@ def test_instruments_see_every_pass():
     ctx = fxdebug.PassContext((x,), instruments=[Recorder()])
     fxdebug.PassManager([_load_zero_count()]).run(gm, ctx)
     assert seen == [("zero-count", True)]
+
+
+def test_a_pass_subclass_without_run_is_refused_before_any_capture() -> None:
+    from fxdebug.authoring import Pass
+
+    class Forgot(Pass):
+        name = "forgot"
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(fxdebug.PassError, match=r"passes\[0\]: Forgot subclasses Pass but defines no run") as info:
+        fxdebug.instrument(model, [Forgot()], example_inputs=(torch.randn(1, 2),))
+    assert info.value.pass_name == "forgot"

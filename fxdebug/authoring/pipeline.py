@@ -85,8 +85,9 @@ class Pass:
         if not cls.__dict__.get("name"):
             cls.name = _kebab(cls.__name__)
 
-    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:  # pragma: no cover - abstract
-        raise NotImplementedError(f"pass {self.name!r} does not implement run(gm, ctx)")
+    def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:
+        """What the pass does to ``gm``; every pass defines it (``validate_passes`` refuses one that does not)."""
+        raise PassError(_NO_RUN.format(cls=type(self).__name__), pass_name=self.name)
 
     def rewrite(self, gm: GraphModule, ctx: PassContext, rule: Callable[[Node, PassContext], Node | None], *,
                 predicate: Callable[[Node], bool] | None = None) -> dict[str, str]:
@@ -336,4 +337,10 @@ def validate_passes(passes: Any) -> list[Pass]:
             raise PassError(
                 f"passes[{i}] is {type(p).__name__} ({p!r:.60}), not a pass: use an fxdebug.passes instance, "
                 "a Pass subclass instance, or a function decorated with @fxdebug.graph_pass.")
+        if type(p).run is Pass.run:  # refused before any capture, not at the first graph
+            raise PassError(f"passes[{i}]: " + _NO_RUN.format(cls=type(p).__name__), pass_name=p.name)
     return items
+
+
+_NO_RUN = ("{cls} subclasses Pass but defines no run(self, gm, ctx): add it (it edits gm through ctx and may return "
+           "a PassResult), or write the pass as a function decorated with @fxdebug.graph_pass or @fxdebug.node_pass.")
