@@ -28,9 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from typing import Any
+
+from bench_proc import load_average, run_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -108,19 +109,17 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=["mlp"], choices=["mlp", "conv", "gpt2"])
     args = ap.parse_args()
     print(f"ShapeAssert + NaNCheck + StatCollector: peak RSS above the start of each call, MiB "
-          f"(load average {' '.join(f'{v:.2f}' for v in os.getloadavg())})")
+          f"(load average {load_average()})")
     print(f"{'model':5} {'batch':>6} {'frontend':9} {'input':>7} {'forward':>8} {'instrument':>11} {'ratio':>6} {'first call':>11} "
           f"{'ratio':>6} {'compile':>8} {'ratio':>6}")
     for kind, fe in ((k, f) for k in args.models for f in args.frontends):
         if kind == "gpt2" and fe == "symbolic":  # GPT-2's forward does not trace symbolically: export is its snapshot
             fe = "export"
         batch = args.batch or {"mlp": 16384, "conv": 64, "gpt2": 64}[kind]
-        done = subprocess.run([sys.executable, __file__, "--one", fe, kind, str(batch), str(args.width)],
-                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if done.returncode != 0:
-            print(f"{kind:5} {batch:6} {fe:9} failed: {(done.stderr.strip().splitlines() or ['?'])[-1][:200]}")
+        r = run_json(__file__, ["--one", fe, kind, str(batch), str(args.width)])
+        if "error" in r:
+            print(f"{kind:5} {batch:6} {fe:9} failed: {r['error']}")
             continue
-        r = json.loads(done.stdout.strip().splitlines()[-1])
         fwd = r["forward"] or float("nan")
         comp = r.get("compile")
         tail = f" {comp:8.0f} {comp / fwd:6.2f}" if comp is not None else ""

@@ -35,13 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
 import torch
 from torch import nn
+
+from bench_proc import load_average, run_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -155,20 +156,9 @@ def one(name: str, frontend: str, passes: str) -> dict[str, Any]:
 
 
 def _spawn(name: str, frontend: str, passes: str, timeout: float) -> dict[str, Any]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FXDEBUG_AUTO": "snapshot" if frontend == "snapshot" else "dynamo",
+    env = {"FXDEBUG_AUTO": "snapshot" if frontend == "snapshot" else "dynamo",
            "FXDEBUG_REGIONS": "1" if frontend == "regions" else "0"}
-    try:
-        done = subprocess.run([sys.executable, __file__, "--one", name, frontend, passes], capture_output=True,
-                              text=True, cwd=ROOT, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"over {timeout:.0f} s"}
-    if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:160]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return run_json(__file__, ["--one", name, frontend, passes], env, timeout)
 
 
 def _cell(pair: Any) -> str:
@@ -178,7 +168,7 @@ def _cell(pair: Any) -> str:
 
 def table(models: list[str], frontends: list[str], passes: str, timeout: float) -> None:
     print(f"## start-up at scale: fresh process each, one thread, CPU s (wall s); passes {passes}; "
-          f"python {sys.version.split()[0]}, {os.cpu_count()} CPU(s); load average {_load()}")
+          f"python {sys.version.split()[0]}, {os.cpu_count()} CPU(s); load average {load_average()}")
     print("| model | frontend | ran | parts | rows | instrument() | first call | report() | total CPU | dynamo wall "
           "(share) | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -194,7 +184,7 @@ def table(models: list[str], frontends: list[str], passes: str, timeout: float) 
             share = f"{dyn:.2f} ({dyn / wall:.0%})" if wall > 0 and dyn == dyn else "—"
             print(f"| {name} | {frontend} | {r['ran']} | {r['parts']} | {r['rows']} | {_cell(r['instrument'])} | "
                   f"{_cell(r['call'])} | {_cell(r['report'])} | {total:.2f} | {share} | {r['rss_mb']} |", flush=True)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 def main() -> None:

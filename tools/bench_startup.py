@@ -27,9 +27,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from bench_proc import load_average, run_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -104,20 +105,12 @@ def _one_model(name: str, frontend: str) -> dict[str, object]:
 
 
 def _spawn(args: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> dict[str, object]:
-    done = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=timeout)
-    if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:160]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return run_json(__file__, args, env, timeout)
 
 
 def imports(runs: int) -> None:
     print(f"## imports: {runs} fresh processes each (interleaved), CPU s median (min..max), wall s median; "
-          f"load average {_load()}")
+          f"load average {load_average()}")
     got: dict[str, list[dict[str, float]]] = {k: [] for k in IMPORTS}
     for _ in range(runs):
         for label, code in IMPORTS.items():
@@ -134,12 +127,12 @@ def imports(runs: int) -> None:
         wall = statistics.median(r["wall_s"] for r in rs)
         print(f"{label:34} {statistics.median(cpu):7.2f} {f'({min(cpu):.2f}..{max(cpu):.2f})':>14} {wall:7.2f} "
               f"{statistics.median(cpu) - torch_cpu:+8.2f}", flush=True)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 def models(names: list[str]) -> None:
     print(f"## instrument() + first call, NaNCheck + StatCollector, fresh process each, CPU s (wall s); "
-          f"load average {_load()}")
+          f"load average {load_average()}")
     print(f"{'model':12} {'frontend':9} {'parts':>5} {'instrument':>16} {'first call':>16} {'total cpu':>9} {'vs snapshot':>11}")
     for name in names:
         totals: dict[str, float] = {}
@@ -156,7 +149,7 @@ def models(names: list[str]) -> None:
                   f"{float(r['instrument_cpu_s']):7.2f} ({float(r['instrument_wall_s']):5.2f}) "  # type: ignore[arg-type]
                   f"{float(r['call_cpu_s']):7.2f} ({float(r['call_wall_s']):5.2f}) {total:9.2f} {ratio:>11}",  # type: ignore[arg-type]
                   flush=True)
-    print(f"load average after: {_load()}")
+    print(f"load average after: {load_average()}")
 
 
 def main() -> None:
