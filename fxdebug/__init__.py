@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from fxdebug import authoring
     from fxdebug.api import instrument, render, trace
     from fxdebug.render.draw import RenderOptions
-    from fxdebug.instrumented.module import Instrumented
+    from fxdebug.instrumented.base import Instrumented
     from fxdebug import numerics
     from fxdebug.numerics import diff, precision_plan, repro
     from fxdebug.numerics.align import Alignment, align
@@ -62,7 +62,7 @@ _LAZY: dict[str, str] = {
     "GradcheckResult": "fxdebug.numerics.gradcheck",
     "InplaceError": "fxdebug.errors",
     "Inputs": "fxdebug.capture.symbolic",
-    "Instrumented": "fxdebug.instrumented.module",
+    "Instrumented": "fxdebug.instrumented.base",
     "LeafInfo": "fxdebug.capture.trace_info",
     "MissingInputsError": "fxdebug.errors",
     "NonFiniteError": "fxdebug.errors",

@@ -26,7 +26,8 @@ from fxdebug.capture.dynamo_frontend import DynamoFrontend
 from fxdebug.capture.dynamo_backends import check_backend
 from fxdebug.instrumented.live import LiveInstrumented
 from fxdebug.instrumented.live_instrument import instrument_live
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.base import Instrumented
+from fxdebug.instrumented.module import InstrumentedGraphModule
 from fxdebug.instrumented.pipeline import FRONTENDS, capture_module, module_from_capture, recapture, run_pipeline
 from fxdebug.graph.meta import graph_record
 from fxdebug.instrumented.snapshot_recipe import remember
@@ -199,7 +200,12 @@ def instrument(
         raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
                          f"captured by a snapshot frontend ({why or chosen}): "
                          "torch.compile(dbg) compiles a snapshot module, or use frontend='dynamo'.")
-    gm = run_pipeline(_snapshot(model, chosen, why, example_inputs, trace_options), pass_list, example_inputs, prior)
+    snap = _snapshot(model, chosen, why, example_inputs, trace_options)
+    if not isinstance(snap, InstrumentedGraphModule):  # a live module asked for a snapshot frontend
+        raise UsageError(f"frontend={trace_options.get('frontend')!r} captures a snapshot, and this module is a live (Dynamo) "
+                         "capture: instrument the original model (dbg.model) with that frontend, or add passes to the "
+                         "live module with frontend='auto'.")
+    gm = run_pipeline(snap, pass_list, example_inputs, prior)
     remember(gm, model, pass_list, example_inputs, trace_options, recapture)
     graph_record(gm).instrument_seconds = time.perf_counter() - start
     if check:  # outputs, every gradient and buffers against the model, in train and eval mode
@@ -306,7 +312,7 @@ def render(model_or_gm: nn.Module, path: str, example_inputs: Any = None, **opti
     ``show_instrumentation``, ``failed``, ``report``, ``fold``, ``diff``) are ``fxdebug.RenderOptions``
     fields, given as keywords or as ``options=RenderOptions(...)``.
     """
-    if isinstance(model_or_gm, nn.Module) and not isinstance(model_or_gm, GraphModule):
+    if isinstance(model_or_gm, nn.Module) and not isinstance(model_or_gm, (GraphModule, Instrumented)):
         model_or_gm = trace(model_or_gm, example_inputs)
     if isinstance(model_or_gm, Instrumented):
         return model_or_gm.render(path, example_inputs, **options)

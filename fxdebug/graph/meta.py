@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Generic, Iterator, Mapping, TypeVar, cast, overload
+from typing import Any, Generic, Iterator, Mapping, Protocol, TypeVar, cast, overload
 
 from torch.fx import GraphModule, Node
 
@@ -219,7 +219,13 @@ class GraphRecord(Mapping[str, Any]):
         return GraphRecord(self.trace, list(self.passes), self.model_type, self.instrument_seconds, dict(self.extras))
 
 
-def graph_record(gm: GraphModule) -> GraphRecord:
+class HasMeta(Protocol):
+    """A module carrying fxdebug's record in ``meta``: a ``GraphModule``, or a live capture (not a graph itself)."""
+
+    meta: dict[str, Any]
+
+
+def graph_record(gm: HasMeta | GraphModule) -> GraphRecord:
     """The ``GraphRecord`` of ``gm`` (created on first use; a plain dict is converted)."""
     meta = gm.meta
     record = meta.get(KEY)

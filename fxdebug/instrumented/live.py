@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.fx import Graph, GraphModule
 from torch.utils._python_dispatch import _disable_current_modes, any_torch_dispatch_mode_on_stack
 
 from fxdebug.authoring.context import NAMESPACE
@@ -40,7 +39,8 @@ from fxdebug.errors import FxDebugError, TraceError, UsageError
 from fxdebug.graph.inputs import Inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.graph.module_sharing import share_root_state
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.base import Instrumented
+from fxdebug.instrumented.module import InstrumentedGraphModule
 from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
@@ -64,35 +64,39 @@ _MODES_NOTE = ("dynamo: called under a TorchDispatchMode: the captured graphs ra
 
 
 class LiveInstrumented(Instrumented):
-    """An ``Instrumented`` module whose graphs Dynamo captures, at every call, from the live model."""
+    """An ``Instrumented`` module whose graphs Dynamo captures, at every call, from the live model.
+
+    Not a ``GraphModule``: it holds the model (``_model``, whose own dictionaries it shares: ``state_dict()`` keys
+    are the model's) and, in one ``LiveState``, the parts Dynamo's graphs became, as ``torch.compile``'s
+    ``OptimizedModule`` holds ``_orig_mod`` and its compiled entry. ``dbg.graph`` is the one captured graph.
+    """
 
     _model: nn.Module
     _live_state: LiveState  # everything else this module keeps (fxdebug/instrumented/live_state.py)
-    example_inputs: Any = None  # what instrument() was given: gradcheck() and to_module() default to them
+
+    __call__ = live_call  # the model through Dynamo; under an outer torch.compile, its backend (live_call.py)
+    forward = live_forward
 
     @classmethod
     def _live(cls, model: nn.Module, passes: Sequence[Pass], prior: Report | None = None,
               notes: Sequence[str] = (), backend: str = "eager") -> "LiveInstrumented":
-        graph = Graph()
-        graph.output(None)
-        gm = cls(nn.Module(), graph, class_name=type(model).__name__)
+        # a class of its own, named as the model's: the face may give it the model's class as a further base
+        # (instrumented/face.py, for library code that looks methods up on type(self)), as GraphModule's are
+        own = type(type(model).__name__, (LiveInstrumented,), {"__module__": cls.__module__})
+        gm: LiveInstrumented = nn.Module.__new__(own)
+        nn.Module.__init__(gm)
         object.__setattr__(gm, "_model", model)
         # the model's own dictionaries: what is replaced on the model is replaced here
         gm._modules = model._modules
         share_root_state(gm, model)
+        gm.training = model.training
         info = TraceInfo(frontend="dynamo")
         info.notes.extend(notes)
-        gm.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
+        gm.__dict__["meta"] = {KEY: GraphRecord(trace=info, model_type=type(model).__name__)}
         gm.__dict__[STATE_KEY] = LiveState(passes=list(passes), prior=prior, backend=backend,
                                            compiled=_compiled_entry(model, compiler_for(backend), compile_scope),
                                            global_hooks=global_hook_count())
         return gm
-
-    def recompile(self) -> Any:
-        code = GraphModule_recompile(self)
-        type(self).__call__ = live_call  # type: ignore[method-assign]
-        type(self).forward = live_forward
-        return code
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
         """One call of the model through Dynamo; failures typed.
@@ -288,40 +292,24 @@ class LiveInstrumented(Instrumented):
     # -- what fxdebug knows -----------------------------------------------------------------------
     @property
     def model(self) -> nn.Module:
-        return self._model
+        """The user's model, the one this module captures at every call.
 
-    @property
-    def graph(self) -> Graph:
-        """The captured graph when there is exactly one (``dbg.parts()``); otherwise a ``UsageError`` naming them.
-
-        The live module itself holds no graph: Dynamo captures one per frame, graph break and recompile."""
-        state: LiveState | None = self.__dict__.get(STATE_KEY)
-        if state is None:  # GraphModule's own construction, before the live state exists
-            return self._graph
-        parts = state.parts
-        if len(parts) == 1:
-            return next(iter(parts.values())).part.graph
-        model = type(self._model).__name__
-        if not parts:
-            raise UsageError(f"dbg.graph: nothing of {model} is captured yet: call the module once (or instrument it "
-                             "with example_inputs=); then dbg.parts() holds each graph Dynamo captured.")
-        raise UsageError(f"dbg.graph: {model} was captured as {len(parts)} graphs (a graph break, a recompile for another "
-                         f"mode, shape or backend), not one: pick one of dbg.parts() {list(self.parts())}, e.g. "
-                         "dbg.parts()[key].graph.print_tabular().")
-
-    @graph.setter
-    def graph(self, value: Graph) -> None:
-        GraphModule.graph.fset(self, value)  # type: ignore[attr-defined]
+        Where the model has an attribute or submodule of its own named ``model`` (Hugging Face's
+        ``LlamaForCausalLM.model``), that is what ``dbg.model`` is, as for every other name of the model's face."""
+        own = self._modules.get("model")
+        if own is not None:
+            return own
+        return self.__dict__["_model"].__dict__.get("model", self._model)
 
     def graphs(self) -> list[DynamoGraph]:
         """Every graph Dynamo handed over while this module ran, in the order they were captured."""
         return list(self._live_state.parts)
 
-    def parts(self) -> dict[str, Instrumented]:
-        """``{"frame/recompile": Instrumented}`` for every graph captured so far, in capture order."""
+    def parts(self) -> dict[str, InstrumentedGraphModule]:
+        """``{"frame/recompile": InstrumentedGraphModule}`` for every graph captured so far, in capture order."""
         return {g.key: p.part for g, p in self._live_state.parts.items()}
 
-    def replace_part(self, path: str, new: Instrumented) -> "LiveInstrumented":
+    def replace_part(self, path: str, new: InstrumentedGraphModule) -> "LiveInstrumented":
         parts = self._live_state.parts
         for g in parts:
             if g.key == path:
@@ -335,9 +323,6 @@ class LiveInstrumented(Instrumented):
             for name, obs in part._own_observers().items():
                 out.setdefault(name, obs)
         return out
-
-    def _own_observers(self) -> dict[str, Observer]:
-        return {}
 
     def channel_maxima(self) -> dict[str, list[float]]:
         """``{node: per-channel max}`` over every capture (``report(all_ranks=True)`` merges ranks by them): the
@@ -474,9 +459,3 @@ def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
         live.saved_notes = list(state["notes"])
         graph_record(gm).passes.extend(state.get("pass_results", ()))
     return gm
-
-
-def GraphModule_recompile(gm: Any) -> Any:  # noqa: N802 - GraphModule.recompile, skipping Instrumented's
-    from torch.fx import GraphModule
-
-    return GraphModule.recompile(gm)

@@ -13,11 +13,11 @@ from fxdebug.capture.base import TraceOptions
 from fxdebug.capture.graphs import SymbolicFrontend
 from fxdebug.errors import FxDebugError, TraceError
 from fxdebug.graph.inputs import Inputs
-from fxdebug.instrumented.module import Instrumented, raise_op_failure
+from fxdebug.instrumented.module import InstrumentedGraphModule, raise_op_failure
 
 
-def _diagnose_part(part: Instrumented, keep: list[int], args: tuple[Any, ...], exc: Exception) -> None:
-    """An op of a captured graph failed: name the node (a typed error), as an ``Instrumented`` call does."""
+def _diagnose_part(part: InstrumentedGraphModule, keep: list[int], args: tuple[Any, ...], exc: Exception) -> None:
+    """An op of a captured graph failed: name the node (a typed error), as an ``InstrumentedGraphModule`` call does."""
     raise_op_failure(part, exc)
 
 
@@ -68,7 +68,7 @@ def _diagnosed(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], 
     """
     try:
         captured = SymbolicFrontend().capture(model, (args, kwargs), TraceOptions())
-        PassContext(Inputs(*args, **kwargs)).specs(Instrumented.from_capture(model, captured))
+        PassContext(Inputs(*args, **kwargs)).specs(InstrumentedGraphModule.from_capture(model, captured))
     except FxDebugError as err:
         return err
     except Exception:

@@ -25,7 +25,7 @@ from fxdebug.graph.meta import graph_record
 from fxdebug.graph.usage import check_example_inputs, check_where_matched
 from fxdebug.instrumented.live_regions import without_regions
 from fxdebug.instrumented.live import LiveInstrumented
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.base import Instrumented
 from fxdebug.instrumented.verify import verify
 from fxdebug.report.distributed import unwrap_parallel
 from fxdebug.report.report import Report
@@ -41,7 +41,7 @@ def instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, p
     if isinstance(model, LiveInstrumented):
         passes = [*model._live_state.passes, *passes]
         backend = backend or model._live_state.backend  # more passes on a compiled live module: compiled too
-        model = model.model
+        model = model._model
     elif isinstance(model, Instrumented):
         raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
                          f"{model.trace_info.frontend}: instrument the original model instead.")

@@ -1,4 +1,4 @@
-"""The graphs a live (Dynamo) capture hands over, as ``Instrumented`` parts that read the model's state
+"""The graphs a live (Dynamo) capture hands over, as ``InstrumentedGraphModule`` parts that read the model's state
 live, and how each runs with Dynamo's calling convention; the model's entry compiled with fxdebug's
 backend (``_compiled_entry``: eager, or a composite with a compiler, ``capture.dynamo_backends``)."""
 from __future__ import annotations
@@ -18,18 +18,18 @@ from fxdebug.capture.dynamo_backends import composite
 from fxdebug.capture.dynamo_compiling import on_compile
 from fxdebug.capture.dynamo_recover import observing_after_errors
 from fxdebug.graph.meta import KEY
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.module import InstrumentedGraphModule
 
 
 @dataclass
 class _Part:
-    part: Instrumented
+    part: InstrumentedGraphModule
     keep: list[int]  # Dynamo's arguments the graph takes (the rest are model state, read live)
     run: Any = None  # what runs it: a copy of the graph whose model state comes in as Dynamo's arguments
     calls: list[int] = field(default_factory=list)  # the module's call index of each of this graph's calls
 
 
-def _runner(part: Instrumented, count: int, keep: list[int]) -> Any:
+def _runner(part: InstrumentedGraphModule, count: int, keep: list[int]) -> Any:
     """The part's code with Dynamo's calling convention: every argument, model state included.
 
     The passes saw the model's parameters and buffers as ``get_attr`` nodes (what ``ParamGrads`` and
@@ -90,8 +90,8 @@ def _user_arguments(placeholders: list[Node], args: tuple[Any, ...]) -> list[Any
     return out
 
 
-def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
-    """An ``Instrumented`` graph that reads the model's state live: the model's own dictionaries.
+def _part_over(model: nn.Module, prepared: Prepared) -> InstrumentedGraphModule:
+    """An ``InstrumentedGraphModule`` graph that reads the model's state live: the model's own dictionaries.
 
     fxdebug's modules (observers, Dynamo's constants) live under ``fxdebug`` in the part's own
     ``__dict__``, never inside the model's ``_modules``.
@@ -110,7 +110,7 @@ def _part_over(model: nn.Module, prepared: Prepared) -> Instrumented:
     holder._modules[NAMESPACE] = space
     holder._parameters = model._parameters
     holder._buffers = model._buffers
-    part = Instrumented(holder, prepared.graph, class_name=type(model).__name__)
+    part = InstrumentedGraphModule(holder, prepared.graph, class_name=type(model).__name__)
     part._modules = model._modules
     part._parameters = model._parameters
     part._buffers = model._buffers

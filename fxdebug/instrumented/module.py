@@ -1,7 +1,7 @@
-"""``Instrumented``: the GraphModule users get back, and the one capture type every frontend returns.
+"""``InstrumentedGraphModule``: a captured graph over the user's model, the ``Instrumented`` a snapshot returns.
 
-An ``Instrumented`` module holds the user's model's own submodules, parameters and buffers (the
-same objects, not copies), so training it trains the model, ``state_dict()`` keys are the
+An ``InstrumentedGraphModule`` (a ``torch.fx.GraphModule`` and an ``Instrumented``, ``base.py``) holds
+the user's model's own submodules, parameters and buffers (the same objects, not copies), so training it trains the model, ``state_dict()`` keys are the
 model's, and a checkpoint loads either way. Everything fxdebug adds (observers, the clock, new
 modules from transform passes) lives under one root attribute, ``fxdebug``, with no persistent
 state. The model itself is never modified.
@@ -9,11 +9,12 @@ state. The model itself is never modified.
 When an op fails inside the instrumented forward, the error is re-raised as a typed fxdebug
 error naming the node (see ``diagnose``); on the success path nothing is added to the call.
 
-A capture is made of *parts*: ``parts()`` maps a module path to the ``Instrumented`` graph that
-stands for it. A symbolic or export capture is one part (``{"": self}``); the subtrees frontend
-gives several (``capture/subtrees.py``, its module ``subtree_module.py``), and the live (Dynamo)
-capture one per graph Dynamo hands over (``live.py``). ``observers()``, ``reset()`` and ``report()``
-loop over the parts, so no caller needs to know which frontend made the module. A snapshot's call
+A capture is made of *parts*: ``parts()`` maps a module path to the graph module that stands for it.
+A symbolic or export capture is one part (``{"": self}``); the subtrees frontend gives several
+(``capture/subtrees.py``, its module ``subtree_module.py``), and the live (Dynamo) capture, which is
+not itself a graph module, one per graph Dynamo hands over (``live.py``). ``observers()``, ``reset()``
+and ``report()`` loop over the parts (``base.Instrumented``), so no caller needs to know which frontend
+made the module; this class adds what one graph does for itself. A snapshot's call
 first goes through the one snapshot check (``snapshot_cache.check_call``: the graph for the model's
 flags, attribute values and call signature). The entry points ``trace`` / ``instrument`` /
 ``render`` live in ``api.py``.
@@ -36,28 +37,26 @@ from fxdebug.authoring.context import NAMESPACE, PassContext
 from fxdebug.graph.diagnose import locate_failure, op_failure
 from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.graph.module_sharing import CALL_HOOKS, share_root_state
-from fxdebug.capture.eager_origin import explain_eager_origin
-from fxdebug.errors import ArgumentTypeError, FxDebugError
-from fxdebug.instrumented.face import model_attribute
+from fxdebug.errors import FxDebugError
+from fxdebug.instrumented.base import Instrumented
 from fxdebug.graph.meta import KEY, GraphRecord, graph_record
 from fxdebug.instrumented.snapshot_cache import check_call, other_signatures, with_signatures
 from fxdebug.instrumented.snapshot_recipe import follow_mode
 from fxdebug.runtime.observer import Clock, Observer
 from fxdebug.runtime.lower import observers_in
 from fxdebug.render.draw import render as draw
-from fxdebug.report.distributed import merged_report
-from fxdebug.report.report import Report, build_report, merge_reports
+from fxdebug.report.report import Report, build_report
 from fxdebug.graph.serialize import deserialize_graph, encode_pytree_info, serialize_graph
 from fxdebug.instrumented.to_module import to_module as plain_module
 from fxdebug.capture.base import Capture
 from fxdebug.capture.graphs import graph_module
 from fxdebug.capture.trace_info import TraceInfo
 
-__all__ = ["Instrumented"]
+__all__ = ["InstrumentedGraphModule"]
 
 
-class Instrumented(GraphModule):
-    """A traced, possibly instrumented model: a ``torch.fx.GraphModule`` with a report.
+class InstrumentedGraphModule(GraphModule, Instrumented):
+    """A traced, possibly instrumented model: a ``torch.fx.GraphModule`` with a report; a part of every capture.
 
     Build one with ``fxdebug.trace`` or ``fxdebug.instrument``, not directly.
     """
@@ -66,7 +65,7 @@ class Instrumented(GraphModule):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def from_capture(cls, model: nn.Module, capture: Capture) -> "Instrumented":
+    def from_capture(cls, model: nn.Module, capture: Capture) -> "InstrumentedGraphModule":
         """The module for a single-graph ``Capture`` (symbolic, export): the graph over ``model``'s own objects."""
         part = capture.part
         gm = part.graph_module
@@ -77,7 +76,7 @@ class Instrumented(GraphModule):
         return built
 
     @classmethod
-    def _build(cls, model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> "Instrumented":
+    def _build(cls, model: nn.Module, graph: Graph, info: TraceInfo, namespace: nn.Module | None = None) -> "InstrumentedGraphModule":
         """``namespace``: fxdebug's own modules the graph already refers to (``fxdebug.*`` targets)."""
         root: nn.Module = model
         if namespace is not None:
@@ -103,8 +102,8 @@ class Instrumented(GraphModule):
         if isinstance(self._graph._codegen, _PyTreeCodeGen):  # what GraphModule.recompile sets first
             self._in_spec = self._graph._codegen.pytree_info.in_spec
             self._out_spec = self._graph._codegen.pytree_info.out_spec
-        cls.forward = Instrumented._lazy_forward
-        cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
+        cls.forward = InstrumentedGraphModule._lazy_forward
+        cls.__call__ = InstrumentedGraphModule._call_with_diagnosis  # type: ignore[method-assign]
         return None
 
     def real_recompile(self) -> Any:
@@ -126,7 +125,7 @@ class Instrumented(GraphModule):
         self.real_recompile()
         return super().__str__()
 
-    def train(self, mode: bool = True) -> "Instrumented":
+    def train(self, mode: bool = True) -> "InstrumentedGraphModule":
         super().train(mode)
         follow_mode(self, mode)  # a captured part's own module follows, as shared children do
         return self
@@ -143,29 +142,15 @@ class Instrumented(GraphModule):
             raise_op_failure(self, exc)
             raise
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:  # the model's own methods and attributes (generate, config)
-            return model_attribute(self, name)
-
     # -- what fxdebug knows -----------------------------------------------------------------------
-    @property
-    def trace_info(self) -> TraceInfo:
-        return graph_record(self).trace or TraceInfo()
-
-    @property
-    def pass_results(self) -> list[Any]:
-        return graph_record(self).passes
-
-    def parts(self) -> dict[str, "Instrumented"]:
-        """``{module path: Instrumented}`` for every captured part, in execution order.
+    def parts(self) -> dict[str, "InstrumentedGraphModule"]:
+        """``{module path: InstrumentedGraphModule}`` for every captured part, in execution order.
 
         One graph (symbolic or export capture) is one part, the module itself under ``""``.
         """
         return {"": self}
 
-    def replace_part(self, path: str, new: "Instrumented") -> "Instrumented":
+    def replace_part(self, path: str, new: "InstrumentedGraphModule") -> "InstrumentedGraphModule":
         """The module with part ``path`` replaced by ``new`` (what a pass pipeline returned)."""
         if path != "":
             raise KeyError(f"no captured part {path!r}; parts: {list(self.parts())}")
@@ -177,17 +162,6 @@ class Instrumented(GraphModule):
         ``None`` for a part captured from the caller's example inputs (``Part.inputs``).
         """
         return self.part_inputs
-
-    def observers(self) -> dict[str, Observer]:
-        """``{observed node name: Observer}`` for every observed node, in graph order.
-
-        Nodes of a part other than the root read ``path/node``.
-        """
-        out: dict[str, Observer] = {}
-        for path, part in self.parts().items():
-            prefix = f"{path}/" if path else ""
-            out.update({prefix + name: obs for name, obs in part._own_observers().items()})
-        return out
 
     def _own_observers(self) -> dict[str, Observer]:
         return observers_in(self)  # call_module, lowered op call or batched call (runtime/lower.py)
@@ -216,34 +190,15 @@ class Instrumented(GraphModule):
             calls=clock.calls if clock is not None else 0,
         ))
 
-    def _summary_notes(self) -> list[str]:
-        """Notes about the capture as a whole, beyond its parts' own (none for a single graph)."""
-        return []
-
-    def report(self, all_ranks: bool = False, **options: Any) -> Report:
-        """What the observe passes saw since the last ``reset()`` (reading it syncs the device).
-
-        ``all_ranks=True`` merges every torch.distributed rank's statistics (call it on every rank;
-        options ``group=``, ``timeout=``): see ``fxdebug.distributed``.
-        """
-        if all_ranks:
-            return merged_report(self, **options)
-        if options:
-            raise ArgumentTypeError(f"report() got unexpected options {sorted(options)} (they go with all_ranks=True)")
-        reports = {path: part._part_report() for path, part in self.parts().items()}
-        merged = merge_reports(reports, frontend=self.trace_info.frontend, notes=self._summary_notes())
-        return explain_eager_origin(self, merged)  # a NaN made between captured parts
-
-    def reset(self) -> None:
-        """Forget every statistic collected so far."""
-        for part in self.parts().values():
-            for obs in part._own_observers().values():
-                obs.reset()
-            clock = part._clock()
-            if clock is not None:
-                clock.reset()
-            for other in other_signatures(part):  # export: the captures for other keyword signatures
-                other.reset()  # type: ignore[operator]
+    def _reset_own(self) -> None:
+        """Forget this graph's own statistics (``Instrumented.reset`` calls it for every part)."""
+        for obs in self._own_observers().values():
+            obs.reset()
+        clock = self._clock()
+        if clock is not None:
+            clock.reset()
+        for other in other_signatures(self):  # export: the captures for other keyword signatures
+            other.reset()  # type: ignore[operator]
 
     def learn_shapes(self, example_inputs: Any) -> None:
         """Run ``example_inputs`` once to write every node's shape, dtype and device into its meta."""
@@ -265,14 +220,8 @@ class Instrumented(GraphModule):
             report = self.report()
         return draw(self, path, report=report, parts=self.parts(), **kwargs)
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        """Notebook display: the annotated graph as an inline static SVG (``fxdebug.instrumented.notebook``)."""
-        from fxdebug.instrumented.notebook import module_mimebundle
-
-        return module_mimebundle(self, include, exclude)
-
-    def retrace(self) -> "Instrumented":
-        """A new ``Instrumented`` over the same model objects, with its own copy of fxdebug's modules.
+    def retrace(self) -> "InstrumentedGraphModule":
+        """A new ``InstrumentedGraphModule`` over the same model objects, with its own copy of fxdebug's modules.
 
         ``fxdebug.trace`` of an instrumented module returns this: the passes run so far are kept.
         """
@@ -283,7 +232,7 @@ class Instrumented(GraphModule):
             if KEY in node.meta:
                 node.meta[KEY] = copy.deepcopy(node.meta[KEY])
         record = graph_record(self)
-        res = Instrumented(self, graph, class_name=record.model_type)
+        res = InstrumentedGraphModule(self, graph, class_name=record.model_type)
         _adopt_hierarchy(res, self)
         if NAMESPACE in self._modules:
             res._modules[NAMESPACE] = copy.deepcopy(self._modules[NAMESPACE])
@@ -292,11 +241,11 @@ class Instrumented(GraphModule):
         return res
 
     # -- copying and saving ---------------------------------------------------------------------
-    def __deepcopy__(self, memo: dict[int, Any]) -> "Instrumented":
+    def __deepcopy__(self, memo: dict[int, Any]) -> "InstrumentedGraphModule":
         with warnings.catch_warnings():  # copying an export graph's TreeSpecs trips torch's LeafSpec deprecation
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             res = super().__deepcopy__(memo)
-        assert isinstance(res, Instrumented)
+        assert isinstance(res, InstrumentedGraphModule)
         _adopt_hierarchy(res, _Holder(
             OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._modules.items()),
             OrderedDict((k, copy.deepcopy(v, memo)) for k, v in self._parameters.items()),
@@ -313,26 +262,26 @@ class Instrumented(GraphModule):
                                      encode_pytree_info(self.graph)))
 
 
-def _generate_code(gm: Instrumented) -> Any:
-    """``GraphModule.recompile`` for a stale ``Instrumented`` (its own call and forward kept)."""
+def _generate_code(gm: InstrumentedGraphModule) -> Any:
+    """``GraphModule.recompile`` for a stale ``InstrumentedGraphModule`` (its own call and forward kept)."""
     gm.__dict__["_fxdebug_stale_code"] = False
     cls = type(gm)
     own = vars(cls).get("forward")
     with paused_gc():  # code generation allocates per node and frees nothing: no collector sweeps meanwhile
         code = GraphModule.recompile(gm)
-    cls.__call__ = Instrumented._call_with_diagnosis  # type: ignore[method-assign]
-    if own is not None and own is not Instrumented._lazy_forward:
+    cls.__call__ = InstrumentedGraphModule._call_with_diagnosis  # type: ignore[method-assign]
+    if own is not None and own is not InstrumentedGraphModule._lazy_forward:
         cls.forward = own  # a subclass's own forward (the subtrees' eager root) stays
     return code
 
 
 # run eagerly, never traced: a compiled call of a module whose code is not generated yet generates it first
 _disable: Any = torch.compiler.disable  # (unannotated in torch)
-_generate: Callable[[Instrumented], Any] = _disable(_generate_code)
+_generate: Callable[[InstrumentedGraphModule], Any] = _disable(_generate_code)
 
 
 class _Holder(nn.Module):
-    """A bare module carrying a hierarchy, used to rebuild an ``Instrumented``."""
+    """A bare module carrying a hierarchy, used to rebuild an ``InstrumentedGraphModule``."""
 
     def __init__(self, modules: Any, params: Any, buffers: Any, non_persistent: set[str], training: bool) -> None:
         super().__init__()
@@ -363,12 +312,12 @@ def _adopt_hierarchy(gm: GraphModule, model: nn.Module) -> None:
 
 
 def _load_instrumented(rows: Any, holder: Any, meta: dict[str, Any], extras: dict[str, Any],
-                       pytree_info: Any = None) -> Instrumented:
+                       pytree_info: Any = None) -> InstrumentedGraphModule:
     root = _Holder(*holder)
     for k, v in extras.items():
         setattr(root, k, v)
     graph = deserialize_graph(rows, pytree_info)
-    gm = Instrumented(root, graph, class_name=meta.get(KEY, {}).get("model_type", "GraphModule"))
+    gm = InstrumentedGraphModule(root, graph, class_name=meta.get(KEY, {}).get("model_type", "GraphModule"))
     _adopt_hierarchy(gm, root)
     gm.meta = meta
     return gm

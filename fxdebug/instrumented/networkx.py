@@ -12,7 +12,7 @@ from torch.fx import GraphModule
 
 from fxdebug.errors import ArgumentTypeError, UsageError
 from fxdebug.instrumented.live import LiveInstrumented
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.base import Instrumented
 from fxdebug.render.view import build_view
 
 __all__ = ["to_networkx"]
@@ -37,11 +37,11 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
         import networkx as nx
     except ImportError:  # pragma: no cover - networkx is a declared dependency
         raise ImportError("fxdebug.to_networkx() needs networkx: pip install networkx.") from None
-    if not isinstance(gm, GraphModule):
+    if not isinstance(gm, (GraphModule, LiveInstrumented)):
         raise ArgumentTypeError(f"to_networkx() needs a torch.fx.GraphModule (e.g. from fxdebug.trace); got {type(gm).__name__}.")
     if report is None and isinstance(gm, Instrumented) and gm.observers():
         report = gm.report()
-    if isinstance(gm, LiveInstrumented):  # its own graph is empty: the graphs are its captures
+    if isinstance(gm, LiveInstrumented):  # not a graph itself: the graphs are its captures
         parts = list(gm.parts().values())
         if not parts:
             raise UsageError("to_networkx(): nothing captured yet: call the module once (or instrument it with "

@@ -30,7 +30,7 @@ from fxdebug.errors import MissingInputsError
 from fxdebug.graph.inputs import Inputs, normalize_inputs
 from fxdebug.graph.usage import check_example_inputs, check_where_matched
 from fxdebug.instrumented.snapshot_recipe import remember
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.module import InstrumentedGraphModule
 from fxdebug.instrumented.subtree_module import subtrees_module
 from fxdebug.report.report import Report
 
@@ -44,23 +44,23 @@ FRONTENDS: dict[str, Frontend] = {f.name: f for f in (DynamoFrontend(), Symbolic
                                                       SubtreesFrontend())}
 
 
-def module_from_capture(model: nn.Module, capture: Capture) -> Instrumented:
+def module_from_capture(model: nn.Module, capture: Capture) -> InstrumentedGraphModule:
     """The ``Instrumented`` module for what a frontend returned: one graph of the whole model, or an
     eager root routing to the captured submodules (``Capture.parts`` with module paths)."""
     if [part.path for part in capture.parts] == [""]:
-        return Instrumented.from_capture(model, capture)
+        return InstrumentedGraphModule.from_capture(model, capture)
     return subtrees_module(model, capture)
 
 
-def capture_module(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> Instrumented:
+def capture_module(frontend: str, model: nn.Module, inputs: Any, options: TraceOptions) -> InstrumentedGraphModule:
     """Capture ``model`` with the snapshot ``frontend`` (a name in ``FRONTENDS``); the module is built from the
     ``Capture``. The live frontend has no snapshot to capture (its ``capture`` says so)."""
     with paused_gc():
         return module_from_capture(model, FRONTENDS[frontend].capture(model, inputs, options))
 
 
-def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any = None,
-                 prior: Report | None = None) -> Instrumented:
+def run_pipeline(gm: InstrumentedGraphModule, passes: Sequence[Pass], example_inputs: Any = None,
+                 prior: Report | None = None) -> InstrumentedGraphModule:
     """Run ``passes`` over every part of ``gm``, each on the inputs that part is called with.
 
     A single-graph capture is one part, run on ``example_inputs``; a part a frontend recorded
@@ -71,7 +71,7 @@ def run_pipeline(gm: Instrumented, passes: Sequence[Pass], example_inputs: Any =
         return _run_pipeline(gm, list(passes), example_inputs, prior)
 
 
-def _run_pipeline(gm: Instrumented, pass_list: list[Pass], example_inputs: Any, prior: Report | None) -> Instrumented:
+def _run_pipeline(gm: InstrumentedGraphModule, pass_list: list[Pass], example_inputs: Any, prior: Report | None) -> InstrumentedGraphModule:
     observe_only = all(p.observe_only for p in pass_list)
     check_where_matched(pass_list, gm.parts())
     for path, part in gm.parts().items():
@@ -89,13 +89,13 @@ def _run_pipeline(gm: Instrumented, pass_list: list[Pass], example_inputs: Any, 
 
 
 def recapture(model: nn.Module, frontend: str, passes: Sequence[Pass], example_inputs: Any,
-              options: dict[str, Any]) -> Instrumented:
+              options: dict[str, Any]) -> InstrumentedGraphModule:
     """``model`` captured again by ``frontend`` with ``options``, ``passes`` run on ``example_inputs``.
 
     ``model`` may be an ``Instrumented`` module (then its graph is copied and the passes are added to
     those it ran; ``frontend`` is unused). The result records its own recipe, as ``instrument``'s does.
     """
-    if isinstance(model, Instrumented):
+    if isinstance(model, InstrumentedGraphModule):
         gm = model.retrace()
     else:
         inputs = normalize_inputs(example_inputs)

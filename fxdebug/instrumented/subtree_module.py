@@ -2,7 +2,7 @@
 
 ``fxdebug.capture.subtrees`` records the model once and returns a ``Capture`` whose ``Part``s are
 the largest submodules it could capture (each checked bitwise on the inputs it saw). Here the
-module is built from that data: every part becomes an ``Instrumented`` graph over its submodule's
+module is built from that data: every part becomes an ``InstrumentedGraphModule`` graph over its submodule's
 own objects, and the eager root is a shallow copy of the model object whose child dictionaries are
 fresh copies; every parameter and buffer is the model's own, so the model is never touched.
 
@@ -28,7 +28,7 @@ from fxdebug.capture.faithful_reads import would_take_fast_path
 from fxdebug.errors import UsageError
 from fxdebug.graph.meta import KEY, GraphRecord, fx_meta
 from fxdebug.graph.serialize import deserialize_graph, serialize_graph
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.module import InstrumentedGraphModule
 
 __all__ = ["SubtreeInstrumented", "subtrees_module"]
 
@@ -49,7 +49,7 @@ def _shell(module: nn.Module) -> nn.Module:
 
 
 
-def _unhooked(part: Instrumented) -> Instrumented:
+def _unhooked(part: InstrumentedGraphModule) -> InstrumentedGraphModule:
     """The part runs inside its module's own call, which runs the module's hooks: the part runs none."""
     for name in CALL_HOOKS:
         if name in part.__dict__:
@@ -66,7 +66,7 @@ class _Routed:
     (other modes) sees the user's forward.
     """
 
-    def __init__(self, module: nn.Module, part: Instrumented, path: str = "", notes: list[str] | None = None) -> None:
+    def __init__(self, module: nn.Module, part: InstrumentedGraphModule, path: str = "", notes: list[str] | None = None) -> None:
         self.module = module
         self.part = part
         self.path = path
@@ -95,7 +95,7 @@ class _Routed:
 _FAST_TYPES = (nn.TransformerEncoderLayer, nn.TransformerEncoder, nn.MultiheadAttention)
 
 
-def _fast_path_now(module: nn.Module, part: Instrumented, inputs: Any) -> bool:
+def _fast_path_now(module: nn.Module, part: InstrumentedGraphModule, inputs: Any) -> bool:
     """True if ``module`` would take torch's fused fast path in this call (its part's graph cannot):
     a nested-tensor input, or a fast-path module traced through in a call where that path applies."""
     if any(isinstance(v, Tensor) and v.is_nested for v in pytree.tree_leaves(inputs)):
@@ -107,7 +107,7 @@ def _fast_path_now(module: nn.Module, part: Instrumented, inputs: Any) -> bool:
     return any(would_take_fast_path(m) for m in checked)
 
 
-def _same_class(module: nn.Module, part: Instrumented, path: str, notes: list[str]) -> bool:
+def _same_class(module: nn.Module, part: InstrumentedGraphModule, path: str, notes: list[str]) -> bool:
     """False (and noted once) when ``module``'s class changed since its part was captured.
 
     ``register_parametrization`` after ``instrument`` swaps the module's class for one whose ``weight``
@@ -124,7 +124,7 @@ def _same_class(module: nn.Module, part: Instrumented, path: str, notes: list[st
     return False
 
 
-def _adopt_attributes(gm: Instrumented, module: nn.Module) -> None:
+def _adopt_attributes(gm: InstrumentedGraphModule, module: nn.Module) -> None:
     """Plain attributes the parent's code may read (``config``, ``layer_idx``) carried onto ``gm``."""
     for key, value in vars(module).items():
         if key.startswith("_") or key in gm.__dict__ or hasattr(type(gm), key) or key == "training":
@@ -134,8 +134,8 @@ def _adopt_attributes(gm: Instrumented, module: nn.Module) -> None:
         gm.__dict__[key] = value
 
 
-class SubtreeInstrumented(Instrumented):
-    """The root's ``forward`` runs eagerly; its captured submodules are ``Instrumented`` graphs.
+class SubtreeInstrumented(InstrumentedGraphModule):
+    """The root's ``forward`` runs eagerly; its captured submodules are ``InstrumentedGraphModule`` graphs.
 
     Its own graph only lists the captured parts, for reports and pictures; calling it calls the
     eager root (a shallow copy of the model sharing every parameter, buffer and child).
@@ -144,7 +144,7 @@ class SubtreeInstrumented(Instrumented):
     _shell: nn.Module
 
     @classmethod
-    def _assemble(cls, shell: nn.Module, parts: dict[str, Instrumented], meta: dict[str, Any],
+    def _assemble(cls, shell: nn.Module, parts: dict[str, InstrumentedGraphModule], meta: dict[str, Any],
                   graph: Graph | None = None) -> "SubtreeInstrumented":
         if graph is None:
             graph = Graph()
@@ -200,11 +200,11 @@ class SubtreeInstrumented(Instrumented):
                 sync_attributes(shell, original)
                 sync_tensors(shell, original, parameters=False)
 
-    def parts(self) -> dict[str, Instrumented]:
-        """``{module path: Instrumented}`` for every captured submodule, in execution order."""
+    def parts(self) -> dict[str, InstrumentedGraphModule]:
+        """``{module path: InstrumentedGraphModule}`` for every captured submodule, in execution order."""
         return dict(self.__dict__["_fxdebug_parts"])
 
-    def replace_part(self, path: str, new: Instrumented) -> "SubtreeInstrumented":
+    def replace_part(self, path: str, new: InstrumentedGraphModule) -> "SubtreeInstrumented":
         parts = self.__dict__["_fxdebug_parts"]
         if path not in parts:
             raise KeyError(f"no captured part {path!r}; parts: {list(parts)}")
@@ -217,7 +217,7 @@ class SubtreeInstrumented(Instrumented):
     def learn_shapes(self, example_inputs: Any) -> None:
         """The parts learnt their shapes on the inputs they saw while the model was recorded."""
 
-    def retrace(self) -> Instrumented:
+    def retrace(self) -> InstrumentedGraphModule:
         raise UsageError("a model captured per subtree cannot be traced again; call fxdebug.instrument on the "
                          "original model with all the passes you want.")
 
@@ -231,17 +231,17 @@ class SubtreeInstrumented(Instrumented):
         return (_load_subtrees, (self._shell, self.parts(), self.meta, serialize_graph(self.graph)))
 
 
-def _load_subtrees(shell: nn.Module, parts: dict[str, Instrumented], meta: dict[str, Any],
+def _load_subtrees(shell: nn.Module, parts: dict[str, InstrumentedGraphModule], meta: dict[str, Any],
                    rows: Any) -> SubtreeInstrumented:
     return SubtreeInstrumented._assemble(shell, parts, meta, deserialize_graph(rows))
 
 
 def subtrees_module(model: nn.Module, capture: Capture) -> SubtreeInstrumented:
     """The module for a per-subtree ``capture`` of ``model``: an eager root routing to its parts' graphs."""
-    parts: dict[str, Instrumented] = {}
+    parts: dict[str, InstrumentedGraphModule] = {}
     for part in capture.parts:
         module = model.get_submodule(part.path)
-        gm = Instrumented.from_capture(module, Capture([part], part.info))
+        gm = InstrumentedGraphModule.from_capture(module, Capture([part], part.info))
         _adopt_attributes(gm, module)
         gm.__dict__["_fxdebug_module_class"] = type(module)  # a class swapped later (parametrization): see _same_class
         parts[part.path] = _unhooked(gm)

@@ -28,7 +28,7 @@ from fxdebug.errors import ArgumentTypeError, MissingInputsError, VerificationEr
 from fxdebug.graph.inputs import bind_inputs, clone_inputs, normalize_inputs
 from fxdebug.instrumented.face import model_of
 from fxdebug.instrumented.live_state import live_state
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.base import Instrumented
 from fxdebug.graph.meta import fx_meta
 from fxdebug.graph.module_state import restore_containers, restore_random_state, saved_containers, saved_random_state
 from fxdebug.authoring.context import NAMESPACE

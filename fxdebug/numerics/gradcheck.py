@@ -313,7 +313,7 @@ def gradcheck(
         eps, atol: as in ``torch.autograd.gradcheck``.
         double: also run ``gradgradcheck`` (second derivatives).
     """
-    if not isinstance(dbg, GraphModule):
+    if not isinstance(dbg, (GraphModule, LiveInstrumented)):
         raise ArgumentTypeError(f"fxdebug.gradcheck needs an instrumented model (fxdebug.instrument(...)); got {type(dbg).__name__}.")
     remembered = recipe(dbg)  # what instrument()/trace() was given, kept to recapture other modes
     raw = example_inputs if example_inputs is not None else getattr(remembered, "inputs", None)
@@ -327,7 +327,7 @@ def gradcheck(
         # its own): check the backward on one snapshot graph of the model as it is now
         from fxdebug.api import trace
 
-        dbg = trace(dbg.model, raw)
+        dbg = trace(dbg._model, raw)
     calls = ("call_function", "call_method", "call_module")
     if isinstance(where, str) and where == "<custom>":
         picked = [n for n in dbg.graph.nodes if n.op in calls and not is_instrumentation(n) and is_custom(n, dbg)]

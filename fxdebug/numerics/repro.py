@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from fxdebug.errors import FxDebugError, UsageError
 from fxdebug.graph.meta import describe, is_instrumentation, module_path, op_label
 from fxdebug.instrumented.face import model_of
-from fxdebug.instrumented.module import Instrumented
+from fxdebug.instrumented.base import Instrumented
 
 __all__ = ["Repro", "repro"]
 
@@ -422,7 +422,7 @@ def _inputs_of(nodes: set[Node]) -> list[Node]:
     return [a for n in nodes for a in n.all_input_nodes if a not in nodes]
 
 
-def repro(dbg: GraphModule, inputs: Any, path: str | Path) -> Repro:
+def repro(dbg: nn.Module, inputs: Any, path: str | Path) -> Repro:
     """Write a standalone script at ``path`` (and ``<stem>.pt``) reproducing the first NaN/Inf or
     failure of ``dbg`` on ``inputs``; see the module docstring. Returns a ``Repro``.
 
@@ -430,13 +430,15 @@ def repro(dbg: GraphModule, inputs: Any, path: str | Path) -> Repro:
     """
     from fxdebug.graph.inputs import bind_inputs, normalize_inputs
 
-    if not isinstance(dbg, GraphModule):
+    if not isinstance(dbg, (GraphModule, Instrumented)):
         raise UsageError(f"repro(dbg, inputs, path): dbg is an fxdebug.Instrumented (or GraphModule), got {type(dbg).__name__}.")
     model = model_of(dbg) if isinstance(dbg, Instrumented) and dbg.trace_info.frontend == "dynamo" else None
     if model is not None:
         from fxdebug.api import trace  # one graph of the model as it is now (a repro is a snapshot by nature)
 
         dbg = trace(model, inputs)
+    if not isinstance(dbg, GraphModule):
+        raise UsageError(f"repro(dbg, inputs, path): dbg is an fxdebug.Instrumented (or GraphModule), got {type(dbg).__name__}.")
     parts = getattr(dbg, "parts", None)
     if callable(parts) and len(parts()) > 1:
         raise UsageError("repro: this model was captured per subtree; instrument it with frontend='symbolic' or "
