@@ -24,6 +24,7 @@ from torch import nn
 
 from fxdebug.capture.dynamo_names import root_codes
 from fxdebug.capture.dynamo_skips import SKIPPED, Skip
+from fxdebug.graph.meta import KEY
 from fxdebug.instrumented.live_snapshots import add_note, snapshot_of
 
 __all__ = ["find_skipped_modules", "routed_skipped_modules"]
@@ -42,12 +43,17 @@ def find_skipped_modules(live: Any) -> dict[str, Skip]:
     if state.skipped_modules is None:
         state.skipped_modules = {}
     found, seen = state.skipped_modules, state.skipped_seen
+    traced: list[tuple[str, set[str]]] | None = None
     for path, module in live._model.named_modules():
         if not path or path in found or path in seen:
             continue
         skip = next((SKIPPED[c] for c in root_codes(module) if c in SKIPPED), None)
         if skip is None:
             continue
+        if traced is None:
+            traced = _traced_modules(state.parts)
+        if _traced_through(path, traced):  # a code shared by many classes (a decorator's wrapper) skipped for
+            continue  # another model: here Dynamo traced this module's forward into a graph of its caller
         inner = sorted({g.site.module or "<root>" for g in state.parts if getattr(g, "site", None) is not None
                         and (g.site.module == path or g.site.module.startswith(path + "."))})
         if inner:
@@ -60,6 +66,28 @@ def find_skipped_modules(live: Any) -> dict[str, Skip]:
         else:
             found[path] = skip
     return found
+
+
+def _traced_modules(parts: dict[Any, Any]) -> list[tuple[str, set[str]]]:
+    """``(call site's module, the modules its nodes come from)`` for each part captured so far."""
+    out = []
+    for g, found in parts.items():
+        site = getattr(g, "site", None)
+        modules = {n.meta.get(KEY, {}).get("module") or "" for n in found.part.graph.nodes}
+        out.append((site.module if site is not None else "", modules))
+    return out
+
+
+def _traced_through(path: str, traced: list[tuple[str, set[str]]]) -> bool:
+    """Whether a graph called from outside ``path`` holds ops of ``path`` or of a module inside it: Dynamo inlined
+    its forward there (Dynamo skips a code only where it meets it as a frame of its own)."""
+    inside = path + "."
+    for site, modules in traced:
+        if site == path or site.startswith(inside):
+            continue
+        if any(m == path or m.startswith(inside) for m in modules):
+            return True
+    return False
 
 
 class routed_skipped_modules:  # noqa: N801 - a context manager, used as a function
