@@ -3,6 +3,8 @@ live, and how each runs with Dynamo's calling convention; the model's entry comp
 backend (``_compiled_entry``: eager, or a composite with a compiler, ``capture.dynamo_backends``)."""
 from __future__ import annotations
 
+import copy
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 import weakref
@@ -11,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.fx.node import map_arg
 
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.capture.dynamo import Prepared
@@ -36,33 +40,159 @@ def _runner(part: InstrumentedGraphModule, count: int, keep: list[int]) -> Any:
     friends look for); at run time Dynamo hands over those very tensors (checked when the graph was
     prepared), so they become placeholders again: no attribute walk per parameter per call. The
     part itself (its graph, observers, report) is unchanged.
+
+    The copy is named by position (``arg0``, ``v3``) and reaches fxdebug's own modules through slots of its
+    own (``_fxdebug_slot0``: the part's observer, clock, constants module), so the parts of one repeated block
+    (a region's 2,500 instances) have the same code: it is generated once (``_RunnerModule``), not per part.
     """
     graph = Graph()
     env: dict[Node, Node] = {}
     kept = [n for n in part.graph.nodes if n.op == "placeholder"]
     by_index: dict[int, Node] = {}
-    state: dict[Any, Node] = {}  # Dynamo's argument index -> the get_attr node reading it (the first, as before)
-    for n in part.graph.nodes:
-        if n.op == "get_attr":
-            state.setdefault(n.meta.get(KEY, {}).get("dynamo_arg"), n)
     for node in kept:
         by_index[keep[len(by_index)]] = node
+    state: dict[int, list[Node]] = {}  # Dynamo's argument index -> every get_attr reading it (one look-up each)
+    for n in part.graph.nodes:
+        if n.op == "get_attr":
+            index = n.meta.get(KEY, {}).get("dynamo_arg")
+            if isinstance(index, int) and 0 <= index < count and index not in by_index:
+                state.setdefault(index, []).append(n)
     for i in range(count):
+        p = graph.placeholder(f"arg{i}")
         if i in by_index:
-            env[by_index[i]] = graph.placeholder(by_index[i].name)
-        else:
-            owner = state.get(i)  # a look-up, not a scan of every get_attr per argument (quadratic in the model)
-            p = graph.placeholder(owner.name if owner is not None else f"_unused_{i}")
-            if owner is not None:
-                env[owner] = p
+            env[by_index[i]] = p
+        for owner in state.get(i, ()):  # what the model holds now: what Dynamo hands over as this argument
+            env[owner] = p
+    slots = _Slots(part)
+    key: list[Any] | None = [count]
     for node in part.graph.nodes:
         if node in env or node.op == "placeholder":
             continue
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    gm = GraphModule(part, graph, class_name=type(part).__name__)
+        target = slots.target(node.op, node.target) if node.op in ("call_module", "get_attr") else node.target
+        args, kwargs = map_arg(node.args, env.__getitem__), map_arg(node.kwargs, env.__getitem__)
+        name = "output" if node.op == "output" else f"v{len(env)}"
+        new = env[node] = graph.create_node(node.op, target, args, kwargs, name, node.type)
+        new.meta = copy.copy(node.meta)
+        if key is not None:
+            key = _keyed(key, new)
+    if key is not None:
+        graph.__dict__[_CODE_KEY] = tuple(key)
+    root = nn.Module()  # what the targets name: the model's paths, fxdebug's namespace and the slots
+    root._modules = part._modules
+    root.__dict__[NAMESPACE] = part.__dict__.get(NAMESPACE)
+    root.__dict__.update(slots.objects)
+    root.training = part.training
+    gm = _RunnerModule(root, graph, class_name=type(part).__name__)
     gm._modules = part._modules
     gm.__dict__[NAMESPACE] = part.__dict__.get(NAMESPACE)
+    gm.__dict__.update(slots.objects)  # fxdebug's modules, found without nn.Module.__getattr__ at each call
     return gm.forward
+
+
+_SLOT = "_fxdebug_slot"
+
+
+class _Slots:
+    """The copy's targets: a module under fxdebug's namespace becomes a slot of the copy (``_fxdebug_slot0``; a
+    tensor ``_fxdebug_slot1.c0``, read from its module at each call, as before); the model's own paths stay as
+    they are, read live from the model's dictionaries."""
+
+    def __init__(self, part: InstrumentedGraphModule) -> None:
+        self.part = part
+        self.names: dict[str, str] = {}  # module path under fxdebug's namespace -> its slot
+        self.objects: dict[str, nn.Module] = {}  # slot -> the module
+
+    def target(self, op: str, target: Any) -> Any:
+        out = target
+        if isinstance(target, str) and target.startswith(NAMESPACE + "."):
+            path, _, leaf = (target, "", "") if op == "call_module" else target.rpartition(".")
+            slot = self.names.get(path)
+            if slot is None:
+                try:
+                    module = self.part.get_submodule(path)
+                except AttributeError:
+                    module = None
+                if module is not None:
+                    slot = self.names[path] = f"{_SLOT}{len(self.names)}"
+                    self.objects[slot] = module
+            if slot is not None:
+                out = f"{slot}.{leaf}" if leaf else slot
+        return out
+
+
+_CODE_KEY = "_fxdebug_code_key"  # a runner graph's structure (``_keyed``), read once by ``_RunnerModule.recompile``
+_CODES: dict[tuple[Any, ...], tuple[Any, str, Any, Any]] = {}  # structure -> (forward, source, line map, prologue)
+_MAX_CODES = 4096
+_SCALARS = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout})
+_SEQUENCES = frozenset({tuple, list, immutable_list})
+
+
+class _Uncached(Exception):
+    """An argument whose generated code the structure key cannot vouch for (the part's code is generated)."""
+
+
+def _keyed(key: list[Any], node: Node) -> list[Any] | None:
+    """``key`` with ``node`` appended: everything FX's code generation reads of it (names are positional, so two
+    copies with equal keys have the same code); ``None`` when an argument is not one the key describes."""
+    try:
+        key.append((node.op, node.target, node.name, _arg_key(node.args), _arg_key(node.kwargs), node.type,
+                    bool(node.meta.get("is_wrapped", False))))
+        hash(key[-1])
+    except (_Uncached, TypeError):
+        return None
+    return key
+
+
+def _arg_key(a: Any) -> Any:
+    kind = type(a)
+    if kind is Node:
+        return ("node", a.name)
+    if kind in _SCALARS:
+        return (kind, a)
+    if kind is float:
+        return (float, repr(a))  # -0.0 and nan written as they are
+    if kind in _SEQUENCES:
+        return (kind, *(_arg_key(x) for x in a))
+    if kind is dict or kind is immutable_dict:
+        return (kind, *((type(k), k, _arg_key(v)) for k, v in a.items()))
+    if kind is slice:
+        return (slice, _arg_key(a.start), _arg_key(a.stop), _arg_key(a.step))
+    if a is Ellipsis:
+        return (kind,)
+    raise _Uncached(kind)
+
+
+class _RunnerModule(GraphModule):
+    """The runner's ``GraphModule``: its code generated once per structure (``_CODES``) and reused by every
+    copy with that structure. Called through ``forward`` (``compiled`` reads its ``graph``); a later edit of its
+    graph generates code afresh, as any ``GraphModule``'s."""
+
+    def recompile(self) -> Any:
+        key = self._graph.__dict__.pop(_CODE_KEY, None)
+        if key is None or _verbose_codegen():
+            return super().recompile()
+        hit = _CODES.get(key)
+        if hit is None:
+            made = super().recompile()
+            if len(_CODES) < _MAX_CODES:
+                _CODES[key] = (type(self).forward, self._code, self._lineno_map, self._prologue_start)
+            return made
+        forward, self._code, self._lineno_map, self._prologue_start = hit
+        type(self).forward = forward
+        return None
+
+
+def _verbose_codegen() -> bool:
+    """FX's code generation writes node metadata into the code (``FX_GRAPH_SHOW_META``, profiler metadata): the
+    structure key does not hold it, so such code is generated per part."""
+    if os.environ.get("FX_GRAPH_SHOW_META", "0") == "1":
+        return True
+    try:
+        from torch.fx.experimental import _config
+
+        return bool(getattr(_config, "enrich_profiler_metadata", False))
+    except ImportError:
+        return False
 
 
 def _user_arguments(placeholders: list[Node], args: tuple[Any, ...]) -> list[Any] | None:
