@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections import OrderedDict
 from dataclasses import dataclass, field
 import weakref
 from typing import Any
@@ -235,12 +234,15 @@ def _part_over(model: nn.Module, prepared: Prepared) -> InstrumentedGraphModule:
         else:
             consts.register_buffer(name, value, persistent=False)
     space.add_module("constants", consts)
-    holder = nn.Module()
-    holder._modules = OrderedDict(model._modules)
-    holder._modules[NAMESPACE] = space
-    holder._parameters = model._parameters
-    holder._buffers = model._buffers
-    part = InstrumentedGraphModule(holder, prepared.graph, class_name=type(model).__name__)
+    # built over an empty graph, then given its own: GraphModule's construction would copy every target's
+    # attribute into a hierarchy of the part's own, which the model's own dictionaries replace right after
+    part = InstrumentedGraphModule({}, Graph(), class_name=type(model).__name__)
+    graph = prepared.graph
+    part.graph = graph  # (the lazy recompile: code is generated at the part's first call)
+    if graph._tracer_cls and "<locals>" not in graph._tracer_cls.__qualname__:
+        part._tracer_cls = graph._tracer_cls  # as GraphModule's construction keeps them
+    if graph._tracer_extras:
+        part._tracer_extras = graph._tracer_extras
     part._modules = model._modules
     part._parameters = model._parameters
     part._buffers = model._buffers
