@@ -4,8 +4,6 @@ own module path, outputs equal the plain model's bitwise, and each part's observ
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -16,12 +14,8 @@ from fxdebug.passes import NaNCheck, ShapeAssert, StatCollector
 
 
 @pytest.fixture(autouse=True)
-def _regions_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _regions_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FXDEBUG_REGIONS", "1")
-    yield
-    # the model here is an nn.Sequential, whose entry code Dynamo keeps per class: a later test's nn.Sequential
-    # would reuse this regional capture's compiled entry (a known gap of the opt-in regions); start it afresh
-    torch._dynamo.reset()
 
 
 class Block(nn.Module):

@@ -222,3 +222,17 @@ def test_regions_off_captures_inlined(monkeypatch: object) -> None:
     dbg = fxdebug.instrument(model, [StatCollector()], x, frontend="dynamo")
     assert not _block_graphs(dbg)
     assert torch.equal(dbg(x), model(x))
+
+
+def test_an_inlined_capture_of_a_class_after_a_regional_one_captures(monkeypatch: object) -> None:
+    # a regional nn.Sequential's entry breaks at each block inside Sequential.forward's loop, so Dynamo skips the
+    # entry's code for good: a later inlined nn.Sequential through the same code captured nothing (no parts, no rows)
+    x = torch.randn(2, 8)
+    regional = nn.Sequential(*[Block(8) for _ in range(4)])
+    fxdebug.instrument(regional, [StatCollector()], x, frontend="dynamo")(x)
+    monkeypatch.setenv("FXDEBUG_REGIONS", "0")  # type: ignore[attr-defined]
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    dbg = fxdebug.instrument(plain, [StatCollector(grads=True)], x, frontend="dynamo")
+    dbg(x).sum().backward()
+    assert len(dbg.parts()) == 1
+    assert any(k.startswith("grad") for row in dbg.report().rows for k in row)

@@ -29,6 +29,7 @@ What is routed, and when, is the live module's business (``instrumented/live_reg
 from __future__ import annotations
 
 import inspect
+import os
 import types
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -36,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["ENTER", "MIN_REPEATS", "REGION_NAME", "is_region_break", "region_code", "Regions", "find_regions",
+__all__ = ["ENTER", "MIN_REPEATS", "REGION_NAME", "is_region_break", "region_code", "regions_enabled", "Regions", "find_regions",
            "region_function", "state_free", "takes_state"]
 
 MIN_REPEATS = 4  # instances of one class that make it a block worth one trace for all (a transformer's layers)
@@ -70,6 +71,11 @@ def _structure(module: nn.Module) -> tuple[Any, ...]:
 # (measured: HF GPT-2 12 layers 16.2 s vs 5.1 s); without one (``use_cache=False``) the instances share one graph
 _PER_LAYER_STATE = frozenset({"cache", "past_key_value", "past_key_values", "layer_past", "kv_cache"})
 _SIGNATURES: dict[type, bool] = {}
+
+
+def regions_enabled() -> bool:
+    """Whether regional capture is on (``FXDEBUG_REGIONS=1``: opt-in in this release)."""
+    return os.environ.get("FXDEBUG_REGIONS", "0") not in ("0", "off", "false", "no")
 
 
 def _candidate(module: nn.Module) -> bool:

@@ -20,6 +20,7 @@ from fxdebug.capture.dynamo import Prepared
 from fxdebug.capture.dynamo_backends import composite
 from fxdebug.capture.dynamo_compiling import on_compile
 from fxdebug.capture.dynamo_recover import observing_after_errors
+from fxdebug.capture.dynamo_regions import regions_enabled
 from fxdebug.graph.meta import KEY
 from fxdebug.instrumented.module import InstrumentedGraphModule
 
@@ -265,11 +266,15 @@ def _entry(model: nn.Module) -> Any:
         return model(*args, **kwargs)
 
     # a new code object (same bytecode) per model class: Dynamo's cache is per code object
-    call.__code__ = _ENTRY_CODES.setdefault(type(model), call.__code__.replace())
+    # one per regional setting too: a regional capture's entry graph-breaks at every block, and a break in a loop
+    # (``nn.Sequential.forward``) makes Dynamo skip the entry's code for good: a later inlined capture of the class
+    # through that code captured nothing
+    codes = _ENTRY_CODES.setdefault(type(model), {})
+    call.__code__ = codes.setdefault(regions_enabled(), call.__code__.replace())
     return call
 
 
-_ENTRY_CODES: "weakref.WeakKeyDictionary[type, Any]" = weakref.WeakKeyDictionary()
+_ENTRY_CODES: "weakref.WeakKeyDictionary[type, dict[bool, Any]]" = weakref.WeakKeyDictionary()
 
 
 def _compiled_entry(model: nn.Module, compiler: Any = None, scope: Any = None) -> Any:

@@ -16,22 +16,21 @@ Opt-in in this release: ``FXDEBUG_REGIONS=1`` turns it on (off, every block is c
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import torch
 
 from fxdebug.capture.dynamo_backends import compiler_for, composite
 from fxdebug.capture.dynamo_recover import observing_after_errors
-from fxdebug.capture.dynamo_regions import ENTER, Regions, find_regions, region_code, region_function, state_free
+from fxdebug.capture.dynamo_regions import (ENTER, Regions, find_regions, region_code, region_function,
+                                          regions_enabled, state_free)
 from fxdebug.instrumented.live_call import outer_now
 from fxdebug.instrumented.live_snapshots import add_note
 
 __all__ = ["NotShared", "forget_entry", "routed_regions", "without_regions"]
 
 
-def _enabled() -> bool:
-    return os.environ.get("FXDEBUG_REGIONS", "0") not in ("0", "off", "false", "no")  # opt-in in this release
+_enabled = regions_enabled
 
 
 class routed_regions:  # noqa: N801 - a context manager, used as a function
@@ -202,8 +201,7 @@ def forget_entry(model: Any) -> None:
     """Drop Dynamo's compiled code for ``model``'s entry (its class's trampoline): the next call traces it afresh."""
     from fxdebug.instrumented.live_parts import _ENTRY_CODES
 
-    code = _ENTRY_CODES.get(type(model))
-    if code is not None:
+    for code in _ENTRY_CODES.get(type(model), {}).values():
         torch._dynamo.eval_frame.reset_code(code)
 
 
