@@ -30,9 +30,6 @@ from fxdebug.instrumented.live_snapshots import add_note
 __all__ = ["NotShared", "forget_entry", "routed_regions", "without_regions"]
 
 
-_enabled = regions_enabled
-
-
 class routed_regions:  # noqa: N801 - a context manager, used as a function
     """For the length of one live call, each region's ``forward`` enters its compiled region function.
 
@@ -49,7 +46,7 @@ class routed_regions:  # noqa: N801 - a context manager, used as a function
     def __enter__(self) -> None:
         state = self.live._live_state
         if state.regions is None:
-            state.regions = find_regions(self.live._model) if _enabled() else Regions({}, 0, 0)
+            state.regions = find_regions(self.live._model) if regions_enabled() else Regions({}, 0, 0)
             if state.regions:
                 _note(self.live, state.regions)
         if not state.regions:
