@@ -33,7 +33,8 @@ import fxdebug
 from fxdebug import NonFiniteError
 from fxdebug.authoring import (
     HIDDEN, NONFINITE, ORIGIN, Column, FusedProbe, FusedStats, ObservationContext, Options, Pass, PassContext,
-    PassResult, Probe, Reductions, Where, describe, get_module, is_instrumentation, is_view, module_path, op_label,
+    PassResult, Probe, Reductions, Where, describe, get_module, is_instrumentation, is_view, module_path, node_identity,
+    op_label,
     source_line,
 )
 
@@ -169,7 +170,7 @@ class RaisingProbe(Probe):
         self.grads = grads
         self.counts = counts
         self.columns = nonfinite_columns(counts)
-        self.describe = describe(node)
+        self.named = node_identity(node)  # identities, worded when shown: a copy for another instance renames them
         self.node_name, self.module, self.op = node.name, module_path(node), op_label(node)
         self.where = source_line(node)
         self.users = [u.name for u in node.users if not is_instrumentation(u) and u.op != "output"]
@@ -179,6 +180,10 @@ class RaisingProbe(Probe):
         # parameters read as inputs (a Dynamo or export graph calls torch.linear with the weights as get_attr
         # nodes, not a Linear module): {input name: parameter path}, blamed like the owner's parameters
         self.param_inputs = {a.name: str(a.target) for a in node.all_input_nodes if a.op == "get_attr"}
+
+    @property
+    def describe(self) -> str:
+        return describe(self.named)
 
     def init_state(self, x: Tensor, phase: str) -> dict[str, Any]:
         return {"bad": 0, "first": None, "nan": 0, "inf": 0}
@@ -282,6 +287,12 @@ class NaNCheck(Pass):
         from .recorder import on_nonfinite_option
 
         self.on_nonfinite = on_nonfinite_option(opts, on_nonfinite)
+
+    @property
+    def shares_instances(self) -> bool:  # type: ignore[override]
+        """Its probes keep identities; the recorder behind ``history=`` / ``on_nonfinite=`` is a module of its own,
+        per graph."""
+        return self.history is None and self.on_nonfinite is None
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []

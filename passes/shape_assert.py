@@ -41,7 +41,7 @@ from fxdebug import ShapeMismatchError
 from .shape_rules import Meta, meta_of, rule_for
 from fxdebug.authoring import (
     FusedProbe, ObservationContext, Options, PassContext, PassResult, Probe, Reductions, TensorSpec, Where, describe,
-    is_instrumentation, module_path, op_label, source_line,
+    is_instrumentation, module_path, node_identity, op_label, source_line,
 )
 
 __all__ = ["ShapeAssert"]
@@ -71,11 +71,19 @@ class ShapeProbe(Probe):
         self.symbols = symbols
         self.inputs = inputs
         self.check_dtype = check_dtype
-        self.describe = describe(node)
+        self.named = node_identity(node)  # identities, worded when shown: a copy for another instance renames them
         self.node_name, self.module, self.op = node.name, module_path(node), op_label(node)
         self.where = source_line(node)
         users = [u for u in node.users if not is_instrumentation(u) and u.op != "output"]
-        self.feeds = f" It feeds {', '.join(describe(u) for u in users[:3])}." if node.op == "placeholder" and users else ""
+        self.fed = [node_identity(u) for u in users[:3]] if node.op == "placeholder" else []
+
+    @property
+    def describe(self) -> str:
+        return describe(self.named)
+
+    @property
+    def feeds(self) -> str:
+        return f" It feeds {', '.join(describe(u) for u in self.fed)}." if self.fed else ""
 
     def update(self, state: dict[str, Any], r: Reductions, ctx: ObservationContext) -> None:
         if ctx.phase == "forward":
@@ -125,6 +133,7 @@ class ShapeAssert(fxdebug.Pass):
 
     name = "shape-assert"
     observe_only = True
+    shares_instances = True  # its probes keep identities (the copy for another instance renames them)
     requires = ("shapes",)
 
     def __init__(self, dynamic_dims: Iterable[int] = (0,), *, other_inputs: Any = None, check_dtype: bool = True,
@@ -198,6 +207,16 @@ class ShapeAssert(fxdebug.Pass):
             for node in nodes:
                 added.append(ctx.observe(node, probes[node.name]))
         return PassResult(gm, added=added)
+
+    def on_instance_copy(self, source: GraphModule, copy: GraphModule, renamed: dict[str, str]) -> None:
+        """A block's copy for another instance: its nodes expect what the source's learnt (a later capture of that
+        instance compares with it, as with the source's), and its modules are the ones it was learnt from."""
+        first = self._expected(copy)
+        for old, new in renamed.items():
+            learnt = first.get(old)
+            if learnt is not None:
+                first.setdefault(new, learnt)
+        _remember_owners(copy, self.__dict__["_owners"][id(copy.__dict__.get("_modules"))])
 
     def _ran_on_other_inputs(self, gm: GraphModule, specs: dict[str, Any]) -> bool:
         """Whether this (live) graph was captured on ``other_inputs``: its tensor inputs have their shapes."""

@@ -171,6 +171,7 @@ class StatCollector(Pass):
 
     name = "stat-collector"
     observe_only = True
+    shares_instances = True  # one probe per node, no identity of its own: a block's copies share the work
 
     def __init__(self, grads: bool = False, *, counts: bool = False,
                  channel_dim: int | str | None = "auto", views: bool = False, where: Where = None,

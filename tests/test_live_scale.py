@@ -77,7 +77,9 @@ def regions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FXDEBUG_REGIONS", "1")
 
 
-def test_a_parts_shape_assert_and_report_work_does_not_grow_with_the_model(regions: None) -> None:
+def test_a_parts_shape_assert_and_report_work_does_not_grow_with_the_model(regions: None,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXDEBUG_REGION_COPIES", "0")  # ShapeAssert run on every part (copies: test_region_copies.py)
     with pytest.MonkeyPatch.context() as mp:
         small_runs, small_reports, small = _per_part(mp, 4)
     with pytest.MonkeyPatch.context() as mp:

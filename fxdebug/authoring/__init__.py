@@ -21,7 +21,7 @@ Groups:
   finding rules ``FindingRule`` and the row filter ``activation_row`` (``Column(only=...)``);
 * node facts — ``node_meta`` / ``NodeMeta`` (typed ``node.meta["fxdebug"]``), the node roles
   ``INSTRUMENTATION``, ``CLOCK``, ``GUARD``, ``graph_record`` / ``GraphRecord``, ``fx_meta`` (raw
-  dict), ``describe``, ``module_path``, ``module_type``, ``op_label``, ``source_line``,
+  dict), ``describe`` and ``node_identity``, ``module_path``, ``module_type``, ``op_label``, ``source_line``,
   ``is_instrumentation``;
 * op classification — ``get_module``, ``get_attr``, ``is_conv``, ``is_linear``, ``is_batchnorm``, ``is_relu``,
   ``is_view``, ``is_inplace``, ``is_kind``, ``register_kind``;
@@ -39,7 +39,7 @@ from __future__ import annotations
 from fxdebug.runtime.columns import COLOR, GRADIENT, GRADIENT_MEAN, HIDDEN, NONFINITE, ORIGIN, VALUE, Column, FindingRule
 from fxdebug.report.findings import activation_row
 from fxdebug.authoring.context import KNOWN_REQUIREMENTS, PassContext, TensorSpec
-from fxdebug.graph.meta import CLOCK, GUARD, INSTRUMENTATION, GraphRecord, NodeMeta, describe, fx_meta, graph_record, is_instrumentation, module_path, module_type, node_meta, op_label, source_line
+from fxdebug.graph.meta import CLOCK, GUARD, INSTRUMENTATION, GraphRecord, NodeMeta, describe, fx_meta, graph_record, is_instrumentation, module_path, module_type, node_identity, node_meta, op_label, source_line
 from fxdebug.graph.module_outputs import outputs_of
 from fxdebug.runtime.observer import SAMPLE, FusedProbe, FusedStats, ObservationContext, Observer, Probe, Reductions, systematic_sample
 from fxdebug.graph.classify import get_attr, get_module, is_batchnorm, is_conv, is_inplace, is_kind, is_linear, is_relu, is_view, register_kind
@@ -82,6 +82,7 @@ __all__ = [
     "Where",
     "activation_row",
     "describe",
+    "node_identity",
     "find_pattern",
     "fx_meta",
     "get_attr",

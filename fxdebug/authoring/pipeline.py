@@ -71,11 +71,18 @@ class Pass:
             ``"example_inputs"`` (a ``MissingInputsError`` naming the pass if none were given),
             ``"prior_report"``; see ``fxdebug.authoring.context.KNOWN_REQUIREMENTS``.
         where: the nodes the pass may touch (glob(s) over module paths / node names, or a predicate).
+        shares_instances: True for a pass whose work on one instance of a repeated block is the same, renamed, on
+            every other: it reads the graph (nodes, metadata, shapes), never which module path it is on, and keeps
+            what it derives from a node's identity as that identity (the node, its name, its module path; prose is
+            built when shown). Under regional capture the instrumented graph of a block's first instance is then
+            copied to the others with their names (``instrumented/live_copies.py``) instead of running the passes
+            on each; a ``where=`` selection makes every pass run per instance again.
     """
 
     name: str = ""
     observe_only: bool = False
     requires: tuple[str, ...] = ()
+    shares_instances: bool = False
 
     def __init__(self, *, where: Where = None) -> None:
         self.where = Options(self).where(where)  # one rule for every pass's options (authoring.options)
@@ -88,6 +95,11 @@ class Pass:
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult | None:
         """What the pass does to ``gm``; every pass defines it (``validate_passes`` refuses one that does not)."""
         raise PassError(_NO_RUN.format(cls=type(self).__name__), pass_name=self.name)
+
+    def on_instance_copy(self, source: GraphModule, copy: GraphModule, renamed: dict[str, str]) -> None:
+        """``copy`` was made from ``source`` for another instance of a block (``shares_instances``): a pass that
+        keeps state of its own about the graphs it ran on (expectations by node name) records the copy's here;
+        ``renamed`` maps each of ``source``'s identities (node names, module and parameter paths) to the copy's."""
 
     def rewrite(self, gm: GraphModule, ctx: PassContext, rule: Callable[[Node, PassContext], Node | None], *,
                 predicate: Callable[[Node], bool] | None = None) -> dict[str, str]:

@@ -311,14 +311,19 @@ def source_line(node: Node) -> str | None:
     return None
 
 
-def describe(node: Node) -> str:
-    """``node 'conv1' (module layer1.0.conv1, Conv2d)``: how every message names a node."""
-    path = module_path(node)
+def node_identity(node: Node) -> tuple[str, str, str]:
+    """``(name, module path, what it computes)``: what ``describe`` says of a node, as the identities themselves. A
+    probe keeps this (not the sentence) when its pass's work is copied to the other instances of a block
+    (``Pass.shares_instances``: the copy renames identities, never prose) and words it when shown."""
     typ = module_type(node)
-    op = op_label(node)
-    where = path or "<root>"
-    what = typ if node.op == "call_module" and typ else op
-    return f"node '{node.name}' (module {where}, {what})"
+    return node.name, module_path(node), typ if node.op == "call_module" and typ else op_label(node)
+
+
+def describe(node: "Node | tuple[str, str, str]") -> str:
+    """``node 'conv1' (module layer1.0.conv1, Conv2d)``: how every message names a node (a ``Node``, or its
+    ``node_identity``)."""
+    name, path, what = node_identity(node) if isinstance(node, Node) else node
+    return f"node '{name}' (module {path or '<root>'}, {what})"
 
 
 def op_label(node: Node) -> str:

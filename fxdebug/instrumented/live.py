@@ -44,6 +44,8 @@ from fxdebug.instrumented.module import InstrumentedGraphModule
 from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
+from fxdebug.instrumented.live_copies import (Template, copied_part, copies_enabled, identities, passes_share,
+                                              signature, template_for)
 from fxdebug.instrumented.live_call import backend_note, live_call, live_forward, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
@@ -268,6 +270,12 @@ class LiveInstrumented(Instrumented):
             start = time.perf_counter()
             model = self._model
             prepared = prepare(graph, state.namer, args, model, NAMESPACE)
+            shared = template_for(graph) if copies_enabled() and passes_share(state.passes) else None
+            if shared is not None:
+                copied = copied_part(state, self._model, graph, shared, prepared, args, start)
+                if copied is not None:
+                    return copied
+                names = identities(prepared.graph)  # before the passes: what names this instance
             part = _part_over(model, prepared)
             info = TraceInfo(frontend="dynamo")
             if graph.graph_break:
@@ -287,6 +295,9 @@ class LiveInstrumented(Instrumented):
             if graph.compiler is not None:  # the instrumented graph compiled (Inductor), at its first call
                 run = compiled(run, graph.compiler)
             found = parts[graph] = _Part(part, prepared.keep, run)
+            if shared is not None and shared not in state.templates:
+                state.templates[shared] = Template(graph, found, names, signature([args[i] for i in prepared.keep]),
+                                                   getattr(graph, "site").module)  # (a sited graph: template_for)
             return found
 
     # -- what fxdebug knows -----------------------------------------------------------------------

@@ -10,6 +10,7 @@ instrument time), and the example variants a pass asks for are captured too. ``a
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -18,7 +19,9 @@ from torch.nn.parameter import UninitializedParameter
 
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.authoring.pipeline import Pass
+from fxdebug.capture.dynamo_regions import regions_enabled
 from fxdebug.capture.torch_logs import summary, torch_errors_caught
+from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.errors import TraceError, UsageError
 from fxdebug.graph.inputs import clone_inputs, normalize_inputs, preserved_state
 from fxdebug.graph.meta import graph_record
@@ -80,7 +83,10 @@ def _capture_examples(gm: LiveInstrumented, model: nn.Module, passes: list[Pass]
     gm._live_state.capturing_examples = True  # a failure of the model's forward here names the example inputs
     try:
         # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
-        with preserved_state(model), torch_errors_caught() as logged:
+        # with regional capture, a part per instance: the collector paused across them all (one promotion at the end,
+        # not a full collection over the new parts at the first call; graph/gc_pause.py)
+        pause = paused_gc() if regions_enabled() else contextlib.nullcontext()
+        with preserved_state(model), torch_errors_caught() as logged, pause:
             gm(*args, **kwargs)
         note = summary(logged)
         if note:

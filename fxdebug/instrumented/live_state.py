@@ -97,6 +97,11 @@ class LiveState:
     inlined from then on)."""
     region_shared: set[Any] = field(default_factory=set)
     """Groups whose second instance ran the first one's graph: their calls are no longer checked."""
+    templates: dict[Any, Any] = field(default_factory=dict)
+    """Region graph (the one Dynamo handed over for a group) -> ``live_copies.Template``: the group's first
+    instrumented instance, of which its later instances' parts are renamed copies."""
+    region_copies: int = 0
+    """Parts made as copies of their group's first instance (the passes ran once for all of them)."""
     fast: Any = None
     """What the call's fast path (``live_skips``: a call after the first, settings entered only while Dynamo
     compiles) last noted: the graph breaks and capped sites it had seen, so that a call with nothing new skips it."""

@@ -1,0 +1,403 @@
+"""One instrumented graph per repeated block: a region's later instances get a renamed copy of the first one's.
+
+Under regional capture (``live_regions``) Dynamo traces a block's region once and hands the same graph over
+for every instance of the group; the call-site look-up (``capture/dynamo_sites``) gives each instance its
+own part, named for its module path (``layers.17.mlp.down_proj``), so each keeps its own rows. Running the
+passes, learning shapes and lowering again for each of 2,500 instances was most of a deep model's start-up.
+
+Here the first instance's part is the group's *template*; a later instance at the same graph, with the same
+input signature, gets a copy of it in which every identity of the template's instance (its node names, module
+paths, parameter paths, get_attr targets, the model's own submodules and parameters) is replaced by the new
+instance's, and whose observers and clock are fresh: its own row table. The identities come from the copy's
+own ``prepare`` (Dynamo's graph named for the new site), matched to the template's node by node, so nothing is
+guessed from text; a name the passes derived from a node's (``obs_<node>``) is renamed by the node's.
+
+A copy is made only when every pass says its work is the same, renamed, on every instance
+(``Pass.shares_instances``, and no ``where=`` selection, which names paths); a pass that keeps state of its own
+about the graphs it ran on hears of each copy (``Pass.on_instance_copy``). Anything the copy cannot vouch for (an
+fxdebug module it does not know in the part, a name that would collide, another graph shape) leaves that
+instance to the passes, as before. ``FXDEBUG_REGION_COPIES=0`` turns copies off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from fxdebug.authoring.context import NAMESPACE
+from fxdebug.capture.dynamo_backends import compiled
+from fxdebug.authoring.pipeline import Pass
+from fxdebug.capture.dynamo import Prepared
+from fxdebug.capture.dynamo_regions import REGION_NAME
+from fxdebug.graph.meta import KEY, graph_record
+from fxdebug.instrumented.live_parts import _Part, _part_over, _runner
+from fxdebug.instrumented.module import InstrumentedGraphModule
+from fxdebug.runtime.observer import Clock, Observer, Probe
+
+__all__ = ["Template", "copied_part", "copies_enabled", "copy_part", "identities", "passes_share", "shared_runner", "signature",
+           "template_for"]
+
+_SLOT = "_fxdebug_slot"
+
+
+def copies_enabled() -> bool:
+    """Whether a region's later instances are copies of its first (``FXDEBUG_REGION_COPIES=0``: each runs the passes)."""
+    return os.environ.get("FXDEBUG_REGION_COPIES", "1") not in ("0", "off", "false", "no")
+
+
+def passes_share(passes: Sequence[Pass]) -> bool:
+    """Whether every pass's work on one instance of a block is the same, renamed, on the others."""
+    return bool(passes) and all(getattr(p, "shares_instances", False) and getattr(p, "where", None) is None
+                                and "prior_report" not in getattr(p, "requires", ()) for p in passes)
+
+
+def template_for(graph: Any) -> Any:
+    """The key a region graph's instances share (the graph Dynamo handed over), or ``None`` for any other graph."""
+    base = getattr(graph, "base", None)
+    site = getattr(graph, "site", None)
+    if base is None or site is None or not site.module or REGION_NAME not in (graph.code or ""):
+        return None
+    return base
+
+
+Identity = tuple[str, str, Any, Any, Any]  # (op, name, target if a string, module path, parameter path)
+
+
+def identities(graph: Graph) -> list[Identity]:
+    """What names a prepared graph's nodes for their instance, in order (taken before the passes run)."""
+    out = []
+    for n in graph.nodes:
+        meta = n.meta.get(KEY) or {}
+        out.append((n.op, n.name, n.target if isinstance(n.target, str) else None, meta.get("module"), meta.get("param")))
+    return out
+
+
+def signature(values: Sequence[Any]) -> tuple[Any, ...]:
+    """The input signature a copy must share with its template: each tensor's shape, dtype, device and grad flag."""
+    return tuple((tuple(v.shape), v.dtype, v.device, v.requires_grad) if isinstance(v, torch.Tensor) else (type(v), v)
+                 for v in values)
+
+
+@dataclass(eq=False)
+class Template:
+    """A region's first instrumented instance: what its later instances are copied from."""
+
+    graph: Any  # the template's own (sited) graph: its part must still be the live module's
+    found: Any  # its ``live_parts._Part``
+    names: list[Identity]
+    signature: tuple[Any, ...]
+    module: str  # the instance's module path
+    pattern: "re.Pattern[str] | None" = None  # its node names, longest first (names the passes derived from them)
+    inert: set[str] = dataclasses.field(default_factory=set)  # its strings that hold none of its identities
+    same: dict[int, Any] = dataclasses.field(default_factory=dict)  # its immutable objects that hold none (by id)
+    runner_shared: bool | None = None  # whether its runner reaches nothing of the instance but its slots
+
+
+class _Uncopyable(Exception):
+    """Something in the template the copy cannot vouch for: the instance runs the passes instead."""
+
+
+class _Renamer:
+    """The template's world mapped to the copy's: strings by the identity table, the instance's modules and
+    parameters by position, fxdebug's observers and clock fresh, fxdebug's (and the passes') objects copied."""
+
+    def __init__(self, names: dict[str, str], template: Template, modules: tuple[str, ...]) -> None:
+        self.names = names
+        self.pattern = template.pattern
+        self.inert = template.inert  # strings of the template that hold none of its identities (no copy renames them)
+        self.same = template.same  # immutable objects of the template that hold none either: shared as they are
+        self.modules = modules  # class modules whose objects are copied (fxdebug's and the passes')
+        how = _HOWS.get(modules)
+        if how is None:
+            how = _HOWS[modules] = dict(_HOW)
+        self.how: dict[type, int] = how
+        self.memo: dict[int, Any] = {}
+        self.keep: list[Any] = []  # what the memo's ids belong to, alive while it is used
+
+    def seed(self, old: Any, new: Any) -> None:
+        self.memo[id(old)] = new
+        self.keep.append(old)
+
+    def text(self, s: str) -> str:
+        hit = self.names.get(s)
+        if hit is not None:
+            return hit
+        if s in self.inert:
+            return s
+        if self.pattern is None or _SPACE.search(s) is not None:  # prose is never rewritten
+            self.inert.add(s)
+            return s
+        out = self.pattern.sub(lambda m: self.names[m.group(0)], s)
+        if out == s:
+            self.inert.add(s)
+        return out
+
+    def value(self, x: Any) -> Any:
+        kind = type(x)
+        if kind is str:
+            return self.text(x)
+        how = self.how.get(kind)
+        if how is None:
+            how = self.how[kind] = _how(kind, self.modules)
+        if how is _ATOM:
+            return x
+        hit = self.memo.get(id(x))
+        if hit is not None:
+            return hit
+        if how is _FROZEN or kind is tuple:  # immutable: itself when nothing inside is renamed (known next time)
+            if id(x) in self.same:
+                return x
+            if kind is tuple:
+                items = tuple(self.value(v) for v in x)
+                changed = any(a is not b for a, b in zip(items, x))
+                out = items if changed else x
+            else:
+                fields = {k: self.value(v) for k, v in x.__dict__.items()}
+                changed = any(v is not x.__dict__[k] for k, v in fields.items())
+                out = x
+                if changed:
+                    out = object.__new__(kind)
+                    out.__dict__.update(fields)
+            if not changed:
+                self.same[id(x)] = x
+            return out
+        if how is _SEQUENCE:
+            return kind(self.value(v) for v in x)
+        if how is _MAPPING:
+            return kind((self.value(k), self.value(v)) for k, v in x.items())
+        if how is _FIELDS:
+            return kind(*(self.value(v) for v in x))
+        if how is _CLOCK:
+            return x.__deepcopy__(self.memo)
+        if how is _OBSERVER:
+            return self._observer(x)
+        if how is _OBJECT:
+            new = object.__new__(kind)
+            self.seed(x, new)
+            new.__dict__.update({k: self.value(v) for k, v in x.__dict__.items()})
+            return new
+        return x  # _SHARED: the model's modules outside the instance (unless paired), passes, nodes of other graphs
+
+    def _observer(self, obs: Observer) -> Observer:
+        new = object.__new__(type(obs))
+        self.seed(obs, new)
+        state = {k: self.value(v) for k, v in obs.__dict__.items() if k not in ("states", "_devices", "_calls")}
+        new.__dict__.update(state)  # statistics start empty: the copy's own rows
+        return new
+
+
+_SPACE = re.compile(r"\s")
+_ATOM, _SHARED, _SEQUENCE, _MAPPING, _FIELDS, _CLOCK, _OBSERVER, _OBJECT, _FROZEN = range(9)
+_HOW: dict[type, int] = {k: _ATOM for k in (int, float, bool, type(None), bytes, complex, torch.dtype, torch.device,
+                                             torch.Size, torch.memory_format, torch.layout, range, slice)}
+_HOW.update({list: _SEQUENCE, tuple: _FROZEN, set: _SEQUENCE, frozenset: _SEQUENCE, immutable_list: _SEQUENCE,
+             dict: _MAPPING, immutable_dict: _MAPPING, Node: _SHARED})
+
+
+_HOWS: dict[tuple[str, ...], dict[type, int]] = {}  # per set of copied modules: type -> how
+
+
+def _how(kind: type, modules: tuple[str, ...]) -> int:
+    """How ``_Renamer.value`` treats a value of this type (decided once per type; by class, not by pass)."""
+    if issubclass(kind, torch.Tensor):
+        return _SHARED  # a tensor: the instance's own parameters are paired by identity (memo) before this
+    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        return _FIELDS
+    if issubclass(kind, Clock):
+        return _CLOCK
+    if issubclass(kind, Observer):
+        return _OBSERVER
+    if issubclass(kind, (nn.Module, Pass, type)):
+        return _SHARED
+    if dataclasses.is_dataclass(kind) and getattr(kind, "__dataclass_params__").frozen and not _slotted(kind):
+        return _FROZEN  # a frozen value (a TensorSpec, a Column, a PassResult)
+    if issubclass(kind, Probe):
+        return _OBJECT
+    callable_ = any("__call__" in c.__dict__ for c in kind.__mro__[:-1])
+    if kind.__module__.startswith(modules) and not callable_ and not _slotted(kind):
+        return _OBJECT  # fxdebug's or a pass's own helper (ShapeAssert's guard): copied with the probes holding it
+    return _SHARED
+
+
+def _slotted(kind: type) -> bool:
+    """Whether instances have no ``__dict__`` (slots only): such values are not copied field by field."""
+    return not getattr(kind, "__dictoffset__", 0)
+
+
+def _name_table(old: list[Identity], new: list[Identity], module_old: str, module_new: str) -> dict[str, str] | None:
+    """Every identity string of the template mapped to the copy's, node by node; ``None`` if the graphs differ."""
+    if len(old) != len(new):
+        return None
+    table: dict[str, str] = {module_old: module_new}
+    for a, b in zip(old, new):
+        if a[0] != b[0]:
+            return None
+        for x, y in zip(a[1:], b[1:]):
+            if x is None and y is None:
+                continue
+            if not isinstance(x, str) or not isinstance(y, str):
+                return None
+            if table.setdefault(x, y) != y:
+                return None  # one identity of the template, two of the copy: not the same graph
+    return table
+
+
+def _pattern(names: list[Identity]) -> "re.Pattern[str] | None":
+    words = sorted({n[1] for n in names if n[1]}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, words))) if words else None
+
+
+def copy_part(template: Template, prepared: Prepared, model: nn.Module, part_over: Callable[..., Any],
+              passes: Sequence[Pass]) -> tuple[InstrumentedGraphModule, dict[int, Any], dict[str, str]] | None:
+    """The copy of ``template``'s part for the instance ``prepared`` names; ``None`` when it cannot be one.
+
+    Returns ``(part, memo, names)``: ``memo`` maps the template's objects (observers, clock, constants) to the copy's,
+    for its runner; ``names`` is the identity table."""
+    new_path = _site_module(prepared)
+    table = None if new_path is None else _name_table(template.names, identities(prepared.graph), template.module,
+                                                      new_path)
+    if table is None or new_path is None:
+        return None
+    if template.pattern is None:
+        template.pattern = _pattern(template.names)
+    # the classes whose objects are copied: fxdebug's own, and the modules the passes come from (their probes' helpers)
+    modules = ("fxdebug.",) + tuple(sorted({type(p).__module__ for p in passes}))
+    renamer = _Renamer(table, template, modules)
+    source: InstrumentedGraphModule = template.found.part
+    try:
+        part = _copy(source, prepared, model, part_over, renamer, template.module, new_path)
+    except _Uncopyable:
+        return None
+    for p in passes:
+        hook = getattr(p, "on_instance_copy", None)
+        if hook is not None:
+            hook(source, part, table)
+    return part, renamer.memo, table
+
+
+def _site_module(prepared: Prepared) -> str | None:
+    """The copy's instance path: its graph's inputs belong to it (``prepare`` puts them at the site)."""
+    for n in prepared.graph.nodes:
+        if n.op == "placeholder":
+            return (n.meta.get(KEY) or {}).get("module") or None
+    return None
+
+
+def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, part_over: Callable[..., Any],
+          renamer: _Renamer, old_path: str, new_path: str) -> InstrumentedGraphModule:
+    part: InstrumentedGraphModule = part_over(model, prepared)
+    renamer.seed(source, part)
+    _pair_modules(model, old_path, new_path, renamer)
+    old_space, new_space = source.__dict__.get(NAMESPACE), part.__dict__.get(NAMESPACE)
+    if old_space is None or new_space is None:
+        raise _Uncopyable("no namespace")
+    renamer.seed(old_space, new_space)
+    for name, child in old_space._modules.items():
+        if name == "constants":
+            renamer.seed(child, new_space._modules["constants"])
+            continue
+        if not isinstance(child, (Observer, Clock)) or child.__dict__.get("_modules"):
+            raise _Uncopyable(f"fxdebug.{name}")  # a module a pass registered that the copy does not know
+        new_space._modules[renamer.text(name)] = renamer.value(child)
+    graph = Graph()
+    graph._codegen = source.graph._codegen
+    nodes = renamer.memo
+    for node in source.graph.nodes:
+        name = renamer.text(node.name)
+        target = renamer.text(node.target) if isinstance(node.target, str) else node.target
+        new = graph.create_node(node.op, target, renamer.value(node.args), renamer.value(node.kwargs), name, node.type)
+        if new.name != name:
+            raise _Uncopyable(name)  # FX renamed it: a collision the template did not have
+        nodes[id(node)] = new
+        renamer.keep.append(node)
+        new.meta = {k: (renamer.value(v) if k == KEY else v) for k, v in node.meta.items()}
+    for node in source.graph.nodes:  # nodes referenced from metadata or probes before they were made
+        if renamer.memo.get(id(node)) is None:
+            raise _Uncopyable(node.name)
+    part.graph = graph
+    part.meta.update({k: renamer.value(v) for k, v in source.meta.items()})
+    return part
+
+
+def _pair_modules(model: nn.Module, old_path: str, new_path: str, renamer: _Renamer) -> None:
+    """The template instance's submodules, parameters and buffers mapped to the copy's, by position (a region's
+    instances have one structure: the group key compares it)."""
+    try:
+        old, new = model.get_submodule(old_path), model.get_submodule(new_path)
+    except AttributeError as exc:
+        raise _Uncopyable(str(exc)) from None
+    a, b = list(old.named_modules(remove_duplicate=False)), list(new.named_modules(remove_duplicate=False))
+    if len(a) != len(b):
+        raise _Uncopyable(new_path)
+    for (na, ma), (nb, mb) in zip(a, b):
+        if na != nb or type(ma) is not type(mb):
+            raise _Uncopyable(new_path)
+        renamer.seed(ma, mb)
+        for table in ("_parameters", "_buffers"):
+            ta, tb = ma.__dict__.get(table) or {}, mb.__dict__.get(table) or {}
+            if ta.keys() != tb.keys():
+                raise _Uncopyable(new_path)
+            for key, value in ta.items():
+                if value is not None and tb[key] is not None:
+                    renamer.seed(value, tb[key])
+
+
+def shared_runner(template: Template, memo: dict[int, Any], part: InstrumentedGraphModule) -> Any:
+    """The copy's runner: the template's runner module over the copy's slots (same code, same structure), or
+    ``None`` when the template's runner reaches anything else of its instance (then the copy gets its own)."""
+    run = template.found.run
+    runner = getattr(run, "__self__", None)
+    if runner is None or getattr(run, "__func__", None) is not getattr(type(runner), "forward", None):
+        return None  # compiled, or not a runner module
+    if template.runner_shared is None:
+        template.runner_shared = all(
+            n.op not in ("get_attr", "call_module") or str(n.target).split(".", 1)[0].startswith(_SLOT)
+            for n in runner.graph.nodes)
+    if not template.runner_shared:
+        return None
+    new = object.__new__(type(runner))
+    state = dict(runner.__dict__)
+    for key, value in runner.__dict__.items():
+        if key.startswith(_SLOT):
+            mapped = memo.get(id(value))
+            if mapped is None:
+                return None
+            state[key] = mapped
+    state[NAMESPACE] = part.__dict__.get(NAMESPACE)
+    state["_modules"] = part._modules
+    new.__dict__.update(state)
+    return new.forward
+
+
+def copied_part(state: Any, model: nn.Module, graph: Any, shared: Any, prepared: Prepared, args: tuple[Any, ...],
+                start: float) -> _Part | None:
+    """The part of a region's later instance as a renamed copy of its group's first, entered in the live module's
+    ``state``; ``None`` when there is no template for it yet or the copy cannot be made (the passes run instead)."""
+    template = state.templates.get(shared)
+    if template is None or state.parts.get(template.graph) is not template.found:
+        state.templates.pop(shared, None)  # its part was dropped (a replaced part, a forgotten capture)
+        return None
+    if prepared.keep != template.found.keep or signature([args[i] for i in prepared.keep]) != template.signature:
+        return None
+    made = copy_part(template, prepared, model, _part_over, state.passes)
+    if made is None:
+        return None
+    part, memo, _ = made
+    graph_record(part).trace.seconds = time.perf_counter() - start
+    run = shared_runner(template, memo, part) if graph.compiler is None else None
+    if run is None:
+        run = _runner(part, len(args), prepared.keep)
+        if graph.compiler is not None:
+            run = compiled(run, graph.compiler)
+    state.region_copies += 1
+    found = state.parts[graph] = _Part(part, prepared.keep, run)
+    return found

@@ -1,0 +1,206 @@
+"""A region's later instances are renamed copies of its first instance's instrumented part (issue 33,
+``instrumented/live_copies.py``): the passes run once per block, and each copy is exactly what the passes
+would have made for that instance — the same graph, names, metadata, observers and probes, with the copy's
+own module paths, modules and parameters — and its statistics are its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+import fxdebug
+from fxdebug.authoring.context import NAMESPACE
+from fxdebug.errors import NonFiniteError, ShapeMismatchError
+from fxdebug.passes import NaNCheck, ShapeAssert, StatCollector
+
+
+@pytest.fixture(autouse=True)
+def _regions_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXDEBUG_REGIONS", "1")
+
+
+class Block(nn.Module):
+    """A pre-norm residual MLP: parameters, a buffer-free norm, a residual add, a functional activation."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([Block() for _ in range(n)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _passes(raise_mode: bool = False) -> list[Any]:
+    return [ShapeAssert(), NaNCheck(mode="raise" if raise_mode else "record"), StatCollector(grads=True)]
+
+
+def _instrument(model: nn.Module, x: torch.Tensor, copies: bool, monkeypatch: pytest.MonkeyPatch,
+                passes: list[Any] | None = None) -> Any:
+    monkeypatch.setenv("FXDEBUG_REGION_COPIES", "1" if copies else "0")
+    return fxdebug.instrument(model, passes if passes is not None else _passes(), example_inputs=(x,),
+                              frontend="dynamo")
+
+
+_VOLATILE = {"seconds", "instrument_seconds", "table", "_tick", "_host", "_ticks", "_host_calls"}
+
+
+def _same(a: Any, b: Any, own: tuple[Any, Any], where: str, seen: dict[tuple[int, int], Any]) -> None:
+    """``a`` (in the copy) is what ``b`` (the passes' own work) is, recursively; the parts ``own`` stand for each other."""
+    if (id(a), id(b)) in seen:
+        return
+    seen[(id(a), id(b))] = (a, b)  # kept alive: a temporary's id is reused
+    if isinstance(a, GraphModule) and (a is own[0] or b is own[1]):
+        assert a is own[0] and b is own[1], where  # (each GraphModule has a class of its own)
+        return
+    assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, Node):
+        assert a.name == b.name and a.graph is own[0].graph and b.graph is own[1].graph, where
+    elif isinstance(a, (dict,)) or type(a).__name__ == "immutable_dict":
+        assert list(a) == list(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            if k not in _VOLATILE:
+                _same(a[k], b[k], own, f"{where}[{k!r}]", seen)
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: {a} vs {b}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, own, f"{where}[{i}]", seen)
+    elif isinstance(a, (set, frozenset)):
+        assert a == b, where
+    elif type(a) is nn.Module:  # a holder of fxdebug's (the Dynamo constants): what it holds
+        _same([dict(a._modules), dict(a._parameters), dict(a._buffers)],
+              [dict(b._modules), dict(b._parameters), dict(b._buffers)], own, where, seen)
+    elif isinstance(a, torch.Tensor) or (isinstance(a, nn.Module) and not type(a).__module__.startswith("fxdebug")):
+        assert a is b, f"{where}: another object"  # the same model: its very modules and parameters
+    elif isinstance(a, (str, int, float, bool, type(None), torch.dtype, torch.device)) or callable(a) and not hasattr(
+            a, "__dict__"):
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+    elif hasattr(a, "__dict__") and not isinstance(a, type):
+        _same({k: v for k, v in vars(a).items() if k not in ("_calls", "states", "_devices")},
+              {k: v for k, v in vars(b).items() if k not in ("_calls", "states", "_devices")}, own, where, seen)
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def _compare_parts(copied: Any, ran: Any) -> int:
+    """Every part of ``copied`` is exactly the part of ``ran`` with its key; returns how many parts were compared."""
+    pa, pb = copied.parts(), ran.parts()
+    assert list(pa) == list(pb)
+    for key in pa:
+        a, b = pa[key], pb[key]
+        assert a.code == b.code, key
+        seen: dict[tuple[int, int], Any] = {}
+        for x, y in zip(a.graph.nodes, b.graph.nodes, strict=True):
+            assert (x.op, x.name, x.target) == (y.op, y.name, y.target), key
+            _same(x.args, y.args, (a, b), f"{key}:{x.name}.args", seen)
+            _same(x.meta.get("fxdebug"), y.meta.get("fxdebug"), (a, b), f"{key}:{x.name}.meta", seen)
+        _same(dict(a.__dict__[NAMESPACE]._modules), dict(b.__dict__[NAMESPACE]._modules), (a, b), f"{key}:fxdebug", seen)
+        _same(a.meta, b.meta, (a, b), f"{key}:meta", seen)
+    return len(pa)
+
+
+@pytest.mark.parametrize("raise_mode", [False, True])
+def test_a_copied_part_is_what_the_passes_make_for_that_instance(monkeypatch: pytest.MonkeyPatch,
+                                                                  raise_mode: bool) -> None:
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    copied = _instrument(model, x, True, monkeypatch, _passes(raise_mode))
+    ran = _instrument(model, x, False, monkeypatch, _passes(raise_mode))
+    assert copied._live_state.region_copies >= 4  # the first instance (or two: the chain's first input) ran them
+    assert ran._live_state.region_copies == 0
+    assert _compare_parts(copied, ran) >= 8
+    # raise mode's probes blame the instance's own weights, not the template's
+    if raise_mode:
+        part = copied.parts()[next(k for k in copied.parts() if k.endswith("@blocks.4"))]
+        probe = next(p for o in part.__dict__[NAMESPACE].children() for p in getattr(o, "probes", {}).values()
+                     if getattr(p, "param_inputs", None) and p.node_name == "blocks_4_up")
+        assert sorted(probe.param_inputs.values()) == ["blocks.4.up.bias", "blocks.4.up.weight"]
+
+
+def test_copies_keep_their_own_statistics_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    copied = _instrument(model, x, True, monkeypatch)
+    ran = _instrument(model, x, False, monkeypatch)
+    outs = []
+    for dbg in (copied, ran):
+        y = dbg(x)
+        y.sum().backward()
+        outs.append(y.detach())
+        model.zero_grad()
+    plain = model(x).detach()
+    assert torch.equal(outs[0], plain) and torch.equal(outs[1], plain)
+    rows_a, rows_b = copied.report().rows, ran.report().rows
+    assert rows_a == rows_b
+    per_block = {r["module"] for r in rows_a if r["module"].startswith("blocks.")}
+    assert {f"blocks.{i}.up" for i in range(6)} <= per_block
+    means = {r["module"]: r.get("mean") for r in rows_a if r["module"].endswith(".down")}
+    assert len(set(means.values())) == 6  # each instance's own rows: the blocks' weights differ
+
+
+def test_a_copy_names_its_own_nodes_in_shape_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    copied = _instrument(model, x, True, monkeypatch)
+    ran = _instrument(model, x, False, monkeypatch)
+    messages = []
+    for dbg in (copied, ran):
+        part = dbg.parts()[next(k for k in dbg.parts() if k.endswith("@blocks.3"))]
+        guard = next(o for o in part.__dict__[NAMESPACE].children() if "shape-assert" in getattr(o, "probes", {})
+                     and o.op == "placeholder").probes["shape-assert"]
+        with pytest.raises(ShapeMismatchError) as err:
+            guard.probe.check(torch.zeros(2, 5), ())
+        messages.append(str(err.value))
+        assert guard.guard.gm is part
+    assert messages[0] == messages[1]
+    assert "blocks_3" in messages[0] and "blocks.3" in messages[0]
+
+
+def test_a_nan_in_a_copied_instance_is_found_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    dbg = _instrument(model, x, True, monkeypatch, _passes(raise_mode=True))
+    assert dbg._live_state.region_copies >= 4
+    with torch.no_grad():
+        model.blocks[4].down.bias[0] = float("nan")
+    with pytest.raises(NonFiniteError) as err:
+        dbg(x)
+    assert err.value.module == "blocks.4.down"
+
+
+class Opaque(fxdebug.Pass):
+    """A user pass that does not say its work is the same on every instance."""
+
+    observe_only = True
+
+    def run(self, gm: GraphModule, ctx: fxdebug.PassContext) -> fxdebug.PassResult:
+        self.seen = getattr(self, "seen", 0) + 1
+        return fxdebug.PassResult(gm)
+
+
+def test_a_pass_that_does_not_share_runs_on_every_instance(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    opaque = Opaque()
+    dbg = _instrument(model, x, True, monkeypatch, [StatCollector(), opaque])
+    assert dbg._live_state.region_copies == 0
+    assert opaque.seen == len(dbg.parts())
+    selected = _instrument(model, x, True, monkeypatch, [StatCollector(where="blocks.*")])
+    assert selected._live_state.region_copies == 0  # where= names paths: per instance
