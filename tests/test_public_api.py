@@ -41,7 +41,7 @@ AUTHORING_API = {
     "PassContext", "PassManager", "PassResult", "Probe", "Reductions", "Replacement", "SAMPLE", "TensorSpec",
     "VALUE", "Where", "activation_row", "describe", "find_pattern", "fx_meta", "get_attr", "get_module", "graph_pass", "graph_record",
     "is_batchnorm", "is_conv", "is_inplace", "is_instrumentation", "is_kind", "is_linear", "is_relu", "is_view",
-    "keep_state", "matches", "module_path", "module_type", "node_meta", "node_pass", "node_values", "op_label",
+    "keep_state", "matches", "module_path", "module_type", "node_identity", "node_meta", "node_pass", "node_values", "op_label",
     "outputs_of", "register_kind", "replace_pattern", "source_line", "systematic_sample",
 }
 DESIGN_PASSES = {"ShapeAssert", "NaNCheck", "StatCollector", "DeviceCheck", "Capture", "SwapActivation", "Fuse", "PruneMasks"}

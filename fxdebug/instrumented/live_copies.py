@@ -153,13 +153,13 @@ class _Renamer:
         hit = self.memo.get(id(x))
         if hit is not None:
             return hit
-        if how is _FROZEN or kind is tuple:  # immutable: itself when nothing inside is renamed (known next time)
+        if how is _FROZEN:  # immutable: itself when nothing inside is renamed (known by id the next time)
             if id(x) in self.same:
                 return x
-            if kind is tuple:
-                items = tuple(self.value(v) for v in x)
+            if kind is tuple or kind is frozenset:
+                items = [self.value(v) for v in x]
                 changed = any(a is not b for a, b in zip(items, x))
-                out = items if changed else x
+                out = kind(items) if changed else x
             else:
                 fields = {k: self.value(v) for k, v in x.__dict__.items()}
                 changed = any(v is not x.__dict__[k] for k, v in fields.items())
@@ -199,7 +199,7 @@ _SPACE = re.compile(r"\s")
 _ATOM, _SHARED, _SEQUENCE, _MAPPING, _FIELDS, _CLOCK, _OBSERVER, _OBJECT, _FROZEN = range(9)
 _HOW: dict[type, int] = {k: _ATOM for k in (int, float, bool, type(None), bytes, complex, torch.dtype, torch.device,
                                              torch.Size, torch.memory_format, torch.layout, range, slice)}
-_HOW.update({list: _SEQUENCE, tuple: _FROZEN, set: _SEQUENCE, frozenset: _SEQUENCE, immutable_list: _SEQUENCE,
+_HOW.update({list: _SEQUENCE, tuple: _FROZEN, set: _SEQUENCE, frozenset: _FROZEN, immutable_list: _SEQUENCE,
              dict: _MAPPING, immutable_dict: _MAPPING, Node: _SHARED})
 
 
