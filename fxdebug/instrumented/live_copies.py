@@ -176,8 +176,11 @@ class _Renamer:
             return kind((self.value(k), self.value(v)) for k, v in x.items())
         if how is _FIELDS:
             return kind(*(self.value(v) for v in x))
-        if how is _CLOCK:
-            return x.__deepcopy__(self.memo)
+        if how is _CLOCK:  # the same rows, a table of its own (made at its first call, on its input's device)
+            clock = type(x)()
+            clock.training, clock.rows, clock.spans = x.training, x.rows, list(x.spans)
+            self.seed(x, clock)
+            return clock
         if how is _OBSERVER:
             return self._observer(x)
         if how is _OBJECT:
