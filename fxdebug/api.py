@@ -195,7 +195,8 @@ def instrument(
     start = time.perf_counter()
     chosen, why = choose_frontend(model, pass_list, trace_options, "instrument", example_inputs)
     if _is_live(chosen):
-        return instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why)
+        return instrument_live(model, pass_list, example_inputs, prior, check, start, backend, why,
+                               regional=True if isinstance(why, Regional) else None)
     if backend not in (None, "eager"):
         raise UsageError(f"backend={backend!r} compiles the graphs of the live (Dynamo) capture, and this model is "
                          f"captured by a snapshot frontend ({why or chosen}): "
@@ -259,6 +260,8 @@ def choose_frontend(model: nn.Module, passes: Sequence[Pass], options: dict[str,
     why = _snapshot_reason(model, passes, options, entry, example_inputs)
     if why is None:  # an instrumented snapshot: its passes are added to that capture
         return "auto", ""
+    if isinstance(why, Regional):
+        return DynamoFrontend.name, why
     return (DynamoFrontend.name, _LIVE_WHY) if why == "" else ("auto", why)
 
 
@@ -286,14 +289,49 @@ def _snapshot_reason(model: nn.Module, passes: Sequence[Pass], options: dict[str
         return f"auto: {', '.join(given)} given, an option of the snapshot frontends: {_SNAPSHOT_CHAIN}, not the live Dynamo capture"
     count = sum(1 for _ in itertools.islice(inner.modules(), LIVE_MODULE_LIMIT + 1))
     if count > LIVE_MODULE_LIMIT:
-        return (f"auto: more than {LIVE_MODULE_LIMIT} modules, where Dynamo's tracing (~5-10 ms a module) would make "
-                f"the capture take minutes: {_SNAPSHOT_CHAIN} whose guards refuse later changes to the model; "
-                "frontend='dynamo' captures it live anyway")
+        if entry == "instrument":
+            regional = _regional_note(inner)
+            if regional is not None:
+                return regional
+        return (f"auto: more than {LIVE_MODULE_LIMIT} modules and no repeated block that holds most of them, where "
+                f"Dynamo's tracing (~5-10 ms a module) would make the capture take minutes: {_SNAPSHOT_CHAIN} whose "
+                "guards refuse later changes to the model; frontend='dynamo' captures it live anyway")
     if entry == "trace":
         return ("auto: trace() runs no passes and returns one graph to look at and edit now; Dynamo captures at each "
                 "call (a graph per frame, graph break and recompile, captured again when a guard fails), so an edit to "
                 f"its graphs would not be what runs: {_SNAPSHOT_CHAIN}; frontend='dynamo' or instrument() captures live")
     return ""
+
+
+class Regional(str):
+    """The note of an ``"auto"`` choice of the live capture with regional capture on (``LiveState.regional``)."""
+
+
+def _regional_note(model: nn.Module) -> Regional | None:
+    """Above ``LIVE_MODULE_LIMIT`` modules, the live capture when the model's repeated blocks hold at least half of
+    its modules: each block is a region traced once and its instances are copies (``live_regions``,
+    ``live_copies``), so the capture costs about one block per structure, not Dynamo's trace of every module."""
+    from fxdebug.capture.dynamo_regions import find_regions
+
+    regions = find_regions(model)
+    if not regions.blocks:
+        return None
+    paths = regions.paths
+    total = inside = 0
+    for path, _ in model.named_modules():
+        total += 1
+        cut = path
+        while cut:
+            if cut in paths:
+                inside += 1
+                break
+            cut = cut.rpartition(".")[0]
+    if 2 * inside < total:
+        return None
+    return Regional(f"auto: the live Dynamo capture with regional capture: more than {LIVE_MODULE_LIMIT} modules, "
+                    f"{inside} of {total} of them inside {regions.blocks} repeated block(s), each block's structure "
+                    "traced once and its instances instrumented as copies of the first (each keeps its own rows); "
+                    "frontend='symbolic' / 'export' takes a snapshot instead")
 
 
 def live_capture(p: Pass) -> bool:

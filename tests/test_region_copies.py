@@ -204,3 +204,25 @@ def test_a_pass_that_does_not_share_runs_on_every_instance(monkeypatch: pytest.M
     assert opaque.seen == len(dbg.parts())
     selected = _instrument(model, x, True, monkeypatch, [StatCollector(where="blocks.*")])
     assert selected._live_state.region_copies == 0  # where= names paths: per instance
+
+
+def test_auto_captures_a_large_model_of_repeated_blocks_live_with_regions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``LIVE_MODULE_LIMIT`` modules ``"auto"`` took the snapshot; a model whose repeated blocks hold most of
+    its modules is now captured live with regional capture (copies), and one without stays on the snapshot."""
+    monkeypatch.delenv("FXDEBUG_REGIONS")
+    monkeypatch.setattr(fxdebug.api, "LIVE_MODULE_LIMIT", 20)
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)  # 28 modules, 26 of them in regions
+    dbg = fxdebug.instrument(model, _passes(), example_inputs=(x,))
+    assert dbg.trace_info.frontend == "dynamo" and dbg._live_state.regional
+    assert any(n.startswith("auto: the live Dynamo capture with regional capture") for n in dbg.trace_info.notes)
+    assert dbg._live_state.region_copies >= 4
+    assert torch.equal(dbg(x), model(x))
+    assert {f"blocks.{i}.up" for i in range(6)} <= {r["module"] for r in dbg.report().rows}
+    again = fxdebug.instrument(dbg, [NaNCheck()])  # more passes: the same capture kind
+    assert again._live_state.regional
+    flat = nn.Sequential(*[nn.Linear(4, 4) for _ in range(30)])  # no repeated block: the snapshot, as before
+    snap = fxdebug.instrument(flat, _passes(), example_inputs=(x,))
+    assert snap.trace_info.frontend == "symbolic"
+    small = fxdebug.instrument(Net(2), _passes(), example_inputs=(x,))  # below the limit: inlined, as before
+    assert small.trace_info.frontend == "dynamo" and not small._live_state.regional

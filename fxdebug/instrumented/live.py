@@ -32,7 +32,7 @@ from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.staleness import global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
 from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare
-from fxdebug.capture.dynamo_regions import is_region_break
+from fxdebug.capture.dynamo_regions import is_region_break, regions_enabled
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.trace_info import TraceInfo
 from fxdebug.errors import FxDebugError, TraceError, UsageError
@@ -81,7 +81,7 @@ class LiveInstrumented(Instrumented):
 
     @classmethod
     def _live(cls, model: nn.Module, passes: Sequence[Pass], prior: Report | None = None,
-              notes: Sequence[str] = (), backend: str = "eager") -> "LiveInstrumented":
+              notes: Sequence[str] = (), backend: str = "eager", regional: bool | None = None) -> "LiveInstrumented":
         # a class of its own, named as the model's: the face may give it the model's class as a further base
         # (instrumented/face.py, for library code that looks methods up on type(self)), as GraphModule's are
         own = type(type(model).__name__, (LiveInstrumented,), {"__module__": cls.__module__})
@@ -95,9 +95,11 @@ class LiveInstrumented(Instrumented):
         info = TraceInfo(frontend="dynamo")
         info.notes.extend(notes)
         gm.__dict__["meta"] = {KEY: GraphRecord(trace=info, model_type=type(model).__name__)}
+        regional = regions_enabled() if regional is None else regional
         gm.__dict__[STATE_KEY] = LiveState(passes=list(passes), prior=prior, backend=backend,
-                                           compiled=_compiled_entry(model, compiler_for(backend), compile_scope),
-                                           global_hooks=global_hook_count())
+                                           compiled=_compiled_entry(model, compiler_for(backend), compile_scope,
+                                                                    regional),
+                                           global_hooks=global_hook_count(), regional=regional)
         return gm
 
     def _live_call(self, *args: Any, **kwargs: Any) -> Any:
@@ -167,7 +169,7 @@ class LiveInstrumented(Instrumented):
         for have, entry in entries:
             if have is backend:
                 return entry
-        entry = _compiled_entry(self._model, outer, compile_scope)
+        entry = _compiled_entry(self._model, outer, compile_scope, self._live_state.regional)
         entries.append((backend, entry))
         return entry
 
@@ -430,7 +432,8 @@ class LiveInstrumented(Instrumented):
 
     def retrace(self) -> Instrumented:
         state = self._live_state
-        again = LiveInstrumented._live(self._model, state.passes, state.prior, self.trace_info.notes, state.backend)
+        again = LiveInstrumented._live(self._model, state.passes, state.prior, self.trace_info.notes, state.backend,
+                                       state.regional)
         graph_record(again).passes.extend(graph_record(self).passes)  # what the passes did: the same passes
         return again
 
@@ -439,7 +442,7 @@ class LiveInstrumented(Instrumented):
 
         state = self._live_state
         twin = LiveInstrumented._live(copy.deepcopy(self._model, memo), state.passes, state.prior,
-                                      self.trace_info.notes, state.backend)
+                                      self.trace_info.notes, state.backend, state.regional)
         graph_record(twin).passes.extend(graph_record(self).passes)
         return twin
 
@@ -456,6 +459,7 @@ class LiveInstrumented(Instrumented):
         notes = [n if n.startswith(_SAVED) else n.replace("dynamo: ", _SAVED, 1)
                  for n in self._summary_notes() if n not in self.trace_info.notes]
         state = {"saved": saved, "calls": live.calls, "namer": live.namer, "notes": notes, "backend": live.backend,
+                 "regional": live.regional,
                  # what each pass did (names and counts; not the graph it did it to, which stays in this process)
                  "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
         return (_load_live, (self._model, live.passes, list(self.trace_info.notes), state))
@@ -463,7 +467,8 @@ class LiveInstrumented(Instrumented):
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
                state: dict[str, Any] | None = None) -> LiveInstrumented:
-    gm = LiveInstrumented._live(model, passes, None, notes, (state or {}).get("backend", "eager"))
+    gm = LiveInstrumented._live(model, passes, None, notes, (state or {}).get("backend", "eager"),
+                                (state or {}).get("regional"))
     if state:  # what the saved module had observed (see ``LiveInstrumented.__reduce__``)
         live = gm._live_state
         live.saved, live.calls, live.namer = list(state["saved"]), int(state["calls"]), state["namer"]

@@ -19,7 +19,6 @@ from torch.nn.parameter import UninitializedParameter
 
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.authoring.pipeline import Pass
-from fxdebug.capture.dynamo_regions import regions_enabled
 from fxdebug.capture.torch_logs import summary, torch_errors_caught
 from fxdebug.graph.gc_pause import paused_gc
 from fxdebug.errors import TraceError, UsageError
@@ -37,13 +36,16 @@ __all__ = ["instrument_live"]
 
 
 def instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, prior: Report | None,
-                     check: bool, start: float, backend: str | None = None, why: str = "") -> Instrumented:
-    """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs."""
+                     check: bool, start: float, backend: str | None = None, why: str = "",
+                     regional: bool | None = None) -> Instrumented:
+    """The Dynamo frontend: a live module; with example inputs, one quiet call captures the first graphs.
+    ``regional``: capture repeated blocks as regions (``None``: as ``FXDEBUG_REGIONS`` says)."""
     model, unwrapped = unwrap_parallel(model)
     notes = [n for n in (unwrapped, why) if n]
     if isinstance(model, LiveInstrumented):
         passes = [*model._live_state.passes, *passes]
         backend = backend or model._live_state.backend  # more passes on a compiled live module: compiled too
+        regional = model._live_state.regional if regional is None else regional
         model = model._model
     elif isinstance(model, Instrumented):
         raise UsageError("frontend='dynamo' captures a plain model; this one was already captured by "
@@ -59,7 +61,7 @@ def instrument_live(model: nn.Module, passes: list[Pass], example_inputs: Any, p
         raise TraceError(f"{type(model).__name__} has lazy module(s) not yet run ({', '.join(lazy[:5])}): capturing would "
                          "materialize their parameters, changing the model. Run the model once first, then instrument it.",
                          module=lazy[0], op="lazy module")
-    gm = LiveInstrumented._live(model, passes, prior, notes, backend or "eager")
+    gm = LiveInstrumented._live(model, passes, prior, notes, backend or "eager", regional)
     gm.example_inputs = example_inputs  # what gradcheck() and friends default to, as for a snapshot
     inputs = normalize_inputs(example_inputs)
     if inputs is not None:
@@ -85,7 +87,7 @@ def _capture_examples(gm: LiveInstrumented, model: nn.Module, passes: list[Pass]
         # buffers, Python state and RNG as they were: the call only captures; torch's own error logs kept
         # with regional capture, a part per instance: the collector paused across them all (one promotion at the end,
         # not a full collection over the new parts at the first call; graph/gc_pause.py)
-        pause = paused_gc() if regions_enabled() else contextlib.nullcontext()
+        pause = paused_gc() if gm._live_state.regional else contextlib.nullcontext()
         with preserved_state(model), torch_errors_caught() as logged, pause:
             gm(*args, **kwargs)
         note = summary(logged)

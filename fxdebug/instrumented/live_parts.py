@@ -20,7 +20,6 @@ from fxdebug.capture.dynamo import Prepared
 from fxdebug.capture.dynamo_backends import composite
 from fxdebug.capture.dynamo_compiling import on_compile
 from fxdebug.capture.dynamo_recover import observing_after_errors
-from fxdebug.capture.dynamo_regions import regions_enabled
 from fxdebug.graph.meta import KEY
 from fxdebug.instrumented.module import InstrumentedGraphModule
 
@@ -252,7 +251,7 @@ def _part_over(model: nn.Module, prepared: Prepared) -> InstrumentedGraphModule:
     return part
 
 
-def _entry(model: nn.Module) -> Any:
+def _entry(model: nn.Module, regional: bool = False) -> Any:
     """``model(...)`` behind a code object of its own.
 
     Dynamo keeps its compiled entries on the code object of the frame it compiles, with a recompile limit per code
@@ -270,19 +269,19 @@ def _entry(model: nn.Module) -> Any:
     # (``nn.Sequential.forward``) makes Dynamo skip the entry's code for good: a later inlined capture of the class
     # through that code captured nothing
     codes = _ENTRY_CODES.setdefault(type(model), {})
-    call.__code__ = codes.setdefault(regions_enabled(), call.__code__.replace())
+    call.__code__ = codes.setdefault(regional, call.__code__.replace())
     return call
 
 
 _ENTRY_CODES: "weakref.WeakKeyDictionary[type, dict[bool, Any]]" = weakref.WeakKeyDictionary()
 
 
-def _compiled_entry(model: nn.Module, compiler: Any = None, scope: Any = None) -> Any:
+def _compiled_entry(model: nn.Module, compiler: Any = None, scope: Any = None, regional: bool = False) -> Any:
     """``torch.compile`` of the model's entry with fxdebug's backend for ``compiler`` (``None``: the graphs run
     eagerly); a failed call leaves none of its codes skipped by Dynamo for good (issue 35 B1). With ``scope``
     (``live_skips.compile_scope``), its Dynamo callback enters ``scope()`` around each compile, and the entry says
     whether it could (``SCOPED``): then a call whose guards hold needs no settings around it."""
-    entry = _entry(model)
+    entry = _entry(model, regional)
     compiled = torch.compile(entry, backend=composite(compiler))
     run = observing_after_errors(compiled, entry)
     run.fxdebug_compile_scoped = scope is not None and on_compile(compiled, scope)  # type: ignore[attr-defined]

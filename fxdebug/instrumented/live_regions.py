@@ -22,8 +22,7 @@ import torch
 
 from fxdebug.capture.dynamo_backends import compiler_for, composite
 from fxdebug.capture.dynamo_recover import observing_after_errors
-from fxdebug.capture.dynamo_regions import (ENTER, Regions, find_regions, region_code, region_function,
-                                          regions_enabled, state_free)
+from fxdebug.capture.dynamo_regions import ENTER, Regions, find_regions, region_code, region_function, state_free
 from fxdebug.instrumented.live_call import outer_now
 from fxdebug.instrumented.live_snapshots import add_note
 
@@ -46,7 +45,7 @@ class routed_regions:  # noqa: N801 - a context manager, used as a function
     def __enter__(self) -> None:
         state = self.live._live_state
         if state.regions is None:
-            state.regions = find_regions(self.live._model) if regions_enabled() else Regions({}, 0, 0)
+            state.regions = find_regions(self.live._model) if state.regional else Regions({}, 0, 0)
             if state.regions:
                 _note(self.live, state.regions)
         if not state.regions:

@@ -44,6 +44,10 @@ class LiveState:
     """The model's entry under ``torch.compile`` with fxdebug's backend for ``backend``: what a call runs."""
     global_hooks: int
     """The number of global module hooks when instrumented: Dynamo does not guard them, so each call checks it."""
+    regional: bool = False
+    """Whether its repeated blocks are regions of their own, each traced once (``live_regions``): ``FXDEBUG_REGIONS=1``,
+    or ``frontend="auto"`` on a model above ``api.LIVE_MODULE_LIMIT`` modules that repeats blocks; copies, reloads
+    and ``retrace()`` keep it."""
     parts: dict[DynamoGraph, _Part] = field(default_factory=dict)
     """Every graph Dynamo handed over (one per graph break, recompile and call site), and the snapshots taken of
     what it skipped, mapped to its instrumented part, in capture order: ``parts()``, ``report()``, ``reset()``."""
