@@ -14,7 +14,8 @@ machine; wall time is printed beside it):
   torchvision-style ResNet-50 (``tools/bench_models.ResNetStyle``, 1x3x64x64), Hugging Face GPT-2
   12 layers (d 256) and LLaMA 16 layers (d 256, GQA 4/2 heads) with random weights (tiny configs,
   no downloads; skipped without ``transformers``), and a 2,000-layer chain of ``Linear(4, 4)`` /
-  ``ReLU``. The imports are outside the timed region (the first table has them).
+  ``ReLU``. The imports are outside the timed region (the first table has them). ``regions`` is the live
+  capture with ``FXDEBUG_REGIONS=1`` (each repeated block traced once, its instances copies of the first).
 
     python tools/bench_startup.py [--runs 7] [--what imports|models|all] [--models resnet50 gpt2-12 ...]
 
@@ -130,22 +131,23 @@ def imports(runs: int) -> None:
     print(f"load average after: {load_average()}")
 
 
-def models(names: list[str]) -> None:
+def models(names: list[str], frontends: tuple[str, ...] = ("snapshot", "live", "regions")) -> None:
     print(f"## instrument() + first call, NaNCheck + StatCollector, fresh process each, CPU s (wall s); "
           f"load average {load_average()}")
     print(f"{'model':12} {'frontend':9} {'parts':>5} {'instrument':>16} {'first call':>16} {'total cpu':>9} {'vs snapshot':>11}")
     for name in names:
         totals: dict[str, float] = {}
-        for frontend in ("snapshot", "live"):
-            env = {"FXDEBUG_AUTO": "snapshot" if frontend == "snapshot" else "dynamo"}
-            r = _spawn(["--model", name, frontend], env=env)
+        for frontend in frontends:
+            env = {"FXDEBUG_AUTO": "snapshot" if frontend == "snapshot" else "dynamo",
+                   "FXDEBUG_REGIONS": "1" if frontend == "regions" else "0"}
+            r = _spawn(["--model", name, "live" if frontend == "regions" else frontend], env=env)
             if "error" in r:
                 print(f"{name:12} {frontend:9} failed: {r['error']}", flush=True)
                 continue
             total = float(r["instrument_cpu_s"]) + float(r["call_cpu_s"])  # type: ignore[arg-type]
             totals[frontend] = total
-            ratio = f"{total / totals['snapshot']:.1f}x" if frontend == "live" and "snapshot" in totals else ""
-            print(f"{name:12} {str(r['frontend']):9} {r['parts']:>5} "
+            ratio = f"{total / totals['snapshot']:.1f}x" if frontend != "snapshot" and "snapshot" in totals else ""
+            print(f"{name:12} {frontend:9} {r['parts']:>5} "
                   f"{float(r['instrument_cpu_s']):7.2f} ({float(r['instrument_wall_s']):5.2f}) "  # type: ignore[arg-type]
                   f"{float(r['call_cpu_s']):7.2f} ({float(r['call_wall_s']):5.2f}) {total:9.2f} {ratio:>11}",  # type: ignore[arg-type]
                   flush=True)
