@@ -226,3 +226,22 @@ def test_auto_captures_a_large_model_of_repeated_blocks_live_with_regions(monkey
     assert snap.trace_info.frontend == "symbolic"
     small = fxdebug.instrument(Net(2), _passes(), example_inputs=(x,))  # below the limit: inlined, as before
     assert small.trace_info.frontend == "dynamo" and not small._live_state.regional
+
+
+def test_a_recompile_instruments_the_block_once_and_copies_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another batch size: Dynamo traces the region again, the passes run on one instance, the others are copies,
+    and each instance's rows merge with its first capture's."""
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    dbg = _instrument(model, x, True, monkeypatch, [ShapeAssert(), NaNCheck(), StatCollector()])
+    before, parts = dbg._live_state.region_copies, len(dbg.parts())
+    ran = []
+    monkeypatch.setattr(ShapeAssert, "run", lambda self, gm, ctx, _run=ShapeAssert.run: ran.append(gm) or _run(self, gm, ctx))
+    bigger = torch.randn(5, 4)
+    dbg(x)
+    torch.testing.assert_close(dbg(bigger), model(bigger))
+    assert len(dbg.parts()) > parts
+    assert dbg._live_state.region_copies - before >= 4  # the new graph's later instances: copies
+    assert len(ran) <= 4  # stem, head, the block's first instance (two: the chain's first input)
+    calls = {r["module"]: r["calls"] for r in dbg.report().rows if r["module"].endswith(".up")}
+    assert calls == {f"blocks.{i}.up": 2 for i in range(6)}
