@@ -297,7 +297,7 @@ def _site_module(prepared: Prepared) -> str | None:
 
 def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, part_over: Callable[..., Any],
           renamer: _Renamer, old_path: str, new_path: str) -> InstrumentedGraphModule:
-    part: InstrumentedGraphModule = part_over(model, prepared)
+    part: InstrumentedGraphModule = part_over(model, Prepared(Graph(), prepared.keep, prepared.constants))
     renamer.seed(source, part)
     _pair_modules(model, old_path, new_path, renamer)
     old_space, new_space = source.__dict__.get(NAMESPACE), part.__dict__.get(NAMESPACE)
@@ -404,3 +404,4 @@ def copied_part(state: Any, model: nn.Module, graph: Any, shared: Any, prepared:
     state.region_copies += 1
     found = state.parts[graph] = _Part(part, prepared.keep, run)
     return found
+
