@@ -15,7 +15,9 @@ machine; wall time is printed beside it):
   12 layers (d 256) and LLaMA 16 layers (d 256, GQA 4/2 heads) with random weights (tiny configs,
   no downloads; skipped without ``transformers``), and a 2,000-layer chain of ``Linear(4, 4)`` /
   ``ReLU``. The imports are outside the timed region (the first table has them). ``regions`` is the live
-  capture with ``FXDEBUG_REGIONS=1`` (each repeated block traced once, its instances copies of the first).
+  capture with ``FXDEBUG_REGIONS=1`` (each repeated block traced once, its instances copies of the first), ``plain``
+  plain Dynamo with a backend that does nothing (the floor); ``new batch`` is the CPU time of a call with batch 3
+  after the first call (a recompile).
 
     python tools/bench_startup.py [--runs 7] [--what imports|models|all] [--models resnet50 gpt2-12 ...]
 
@@ -30,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Any
 
 from bench_proc import load_average, run_json
 
@@ -95,14 +98,33 @@ def _one_model(name: str, frontend: str) -> dict[str, object]:
     model, inputs = _build(name)
     fe = "dynamo" if frontend == "live" else "auto"  # the parent sets FXDEBUG_AUTO=snapshot for "snapshot"
     c, t = time.process_time(), time.perf_counter()
-    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=inputs, frontend=fe)
+    if frontend == "plain":  # plain Dynamo, a backend that does nothing: the floor, and its own recompile
+        def nothing(gm: Any, example: Any) -> Any:
+            return gm.forward
+
+        dbg = torch.compile(model, backend=nothing)
+    else:
+        dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], example_inputs=inputs, frontend=fe)
     inst_cpu, inst_wall = time.process_time() - c, time.perf_counter() - t
     c, t = time.process_time(), time.perf_counter()
     dbg(*inputs)
     call_cpu, call_wall = time.process_time() - c, time.perf_counter() - t
-    return {"model": name, "frontend": dbg.trace_info.frontend, "instrument_cpu_s": inst_cpu,
-            "instrument_wall_s": inst_wall, "call_cpu_s": call_cpu, "call_wall_s": call_wall,
-            "parts": len(dbg.parts())}
+    c = time.process_time()
+    dbg(_resized(inputs[0]))  # another batch size: a recompile for Dynamo
+    recompile_cpu = time.process_time() - c
+    return {"model": name, "frontend": "plain" if frontend == "plain" else dbg.trace_info.frontend,
+            "instrument_cpu_s": inst_cpu, "instrument_wall_s": inst_wall, "call_cpu_s": call_cpu,
+            "call_wall_s": call_wall, "recompile_cpu_s": recompile_cpu,
+            "parts": len(dbg.parts()) if hasattr(dbg, "parts") else 0}
+
+
+def _resized(x: Any) -> Any:
+    """``x`` with its batch dim 3 (the examples have 1 or 2): what a new batch size costs."""
+    import torch
+
+    if x.dtype == torch.long:
+        return torch.randint(0, 1000, (3, *x.shape[1:]), generator=torch.Generator().manual_seed(1))
+    return torch.randn(3, *x.shape[1:])
 
 
 def _spawn(args: list[str], env: dict[str, str] | None = None, timeout: float = 900) -> dict[str, object]:
@@ -131,10 +153,11 @@ def imports(runs: int) -> None:
     print(f"load average after: {load_average()}")
 
 
-def models(names: list[str], frontends: tuple[str, ...] = ("snapshot", "live", "regions")) -> None:
+def models(names: list[str], frontends: tuple[str, ...] = ("snapshot", "live", "regions", "plain")) -> None:
     print(f"## instrument() + first call, NaNCheck + StatCollector, fresh process each, CPU s (wall s); "
           f"load average {load_average()}")
-    print(f"{'model':12} {'frontend':9} {'parts':>5} {'instrument':>16} {'first call':>16} {'total cpu':>9} {'vs snapshot':>11}")
+    print(f"{'model':12} {'frontend':9} {'parts':>5} {'instrument':>16} {'first call':>16} {'total cpu':>9} {'vs snapshot':>11} "
+          f"{'new batch':>9}")
     for name in names:
         totals: dict[str, float] = {}
         for frontend in frontends:
@@ -149,7 +172,8 @@ def models(names: list[str], frontends: tuple[str, ...] = ("snapshot", "live", "
             ratio = f"{total / totals['snapshot']:.1f}x" if frontend != "snapshot" and "snapshot" in totals else ""
             print(f"{name:12} {frontend:9} {r['parts']:>5} "
                   f"{float(r['instrument_cpu_s']):7.2f} ({float(r['instrument_wall_s']):5.2f}) "  # type: ignore[arg-type]
-                  f"{float(r['call_cpu_s']):7.2f} ({float(r['call_wall_s']):5.2f}) {total:9.2f} {ratio:>11}",  # type: ignore[arg-type]
+                  f"{float(r['call_cpu_s']):7.2f} ({float(r['call_wall_s']):5.2f}) {total:9.2f} {ratio:>11} "  # type: ignore[arg-type]
+                  f"{float(r['recompile_cpu_s']):9.2f}",  # type: ignore[arg-type]
                   flush=True)
     print(f"load average after: {load_average()}")
 
