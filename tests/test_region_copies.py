@@ -245,3 +245,35 @@ def test_a_recompile_instruments_the_block_once_and_copies_the_rest(monkeypatch:
     assert len(ran) <= 4  # stem, head, the block's first instance (two: the chain's first input)
     calls = {r["module"]: r["calls"] for r in dbg.report().rows if r["module"].endswith(".up")}
     assert calls == {f"blocks.{i}.up": 2 for i in range(6)}
+
+
+class _NodeProbe(fxdebug.authoring.Probe):
+    """A user probe that keeps its node (an identity the copy must map to the copy's own node)."""
+
+    key = "keeps-node"
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+
+class KeepsNodes(fxdebug.Pass):
+    """A user pass that says its work is the same on every instance, and keeps nodes in its probes."""
+
+    observe_only = True
+    shares_instances = True
+
+    def run(self, gm: GraphModule, ctx: fxdebug.PassContext) -> fxdebug.PassResult:
+        added = [ctx.observe(n, _NodeProbe(n)) for n in gm.graph.nodes if n.op == "call_function"]
+        return fxdebug.PassResult(gm, added=added)
+
+
+def test_a_user_pass_that_shares_gets_its_probes_copied_with_the_copys_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    dbg = _instrument(model, x, True, monkeypatch, [KeepsNodes(), StatCollector()])
+    assert dbg._live_state.region_copies >= 4
+    for key, part in dbg.parts().items():
+        for obs in part.__dict__[NAMESPACE].children():
+            probe = getattr(obs, "probes", {}).get("keeps-node")
+            if probe is not None:
+                assert probe.node.graph is part.graph and probe.node.name == obs.node_name, key

@@ -300,6 +300,21 @@ def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module,
     part: InstrumentedGraphModule = part_over(model, Prepared(Graph(), prepared.keep, prepared.constants))
     renamer.seed(source, part)
     _pair_modules(model, old_path, new_path, renamer)
+    graph = Graph()
+    graph._codegen = source.graph._codegen
+    nodes = renamer.memo
+    made = []
+    for node in source.graph.nodes:  # every node first: metadata and probes may name any of them
+        name = renamer.text(node.name)
+        target = renamer.text(node.target) if isinstance(node.target, str) else node.target
+        new = graph.create_node(node.op, target, renamer.value(node.args), renamer.value(node.kwargs), name, node.type)
+        if new.name != name:
+            raise _Uncopyable(name)  # FX renamed it: a collision the template did not have
+        nodes[id(node)] = new
+        renamer.keep.append(node)
+        made.append((node, new))
+    for node, new in made:
+        new.meta = {k: (renamer.value(v) if k == KEY else v) for k, v in node.meta.items()}
     old_space, new_space = source.__dict__.get(NAMESPACE), part.__dict__.get(NAMESPACE)
     if old_space is None or new_space is None:
         raise _Uncopyable("no namespace")
@@ -311,21 +326,6 @@ def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module,
         if not isinstance(child, (Observer, Clock)) or child.__dict__.get("_modules"):
             raise _Uncopyable(f"fxdebug.{name}")  # a module a pass registered that the copy does not know
         new_space._modules[renamer.text(name)] = renamer.value(child)
-    graph = Graph()
-    graph._codegen = source.graph._codegen
-    nodes = renamer.memo
-    for node in source.graph.nodes:
-        name = renamer.text(node.name)
-        target = renamer.text(node.target) if isinstance(node.target, str) else node.target
-        new = graph.create_node(node.op, target, renamer.value(node.args), renamer.value(node.kwargs), name, node.type)
-        if new.name != name:
-            raise _Uncopyable(name)  # FX renamed it: a collision the template did not have
-        nodes[id(node)] = new
-        renamer.keep.append(node)
-        new.meta = {k: (renamer.value(v) if k == KEY else v) for k, v in node.meta.items()}
-    for node in source.graph.nodes:  # nodes referenced from metadata or probes before they were made
-        if renamer.memo.get(id(node)) is None:
-            raise _Uncopyable(node.name)
     part.graph = graph
     part.meta.update({k: renamer.value(v) for k, v in source.meta.items()})
     return part
