@@ -101,6 +101,14 @@ class Template:
     same: dict[int, Any] = dataclasses.field(default_factory=dict)  # its immutable objects that hold none (by id)
     runner_shared: bool | None = None  # whether its runner reaches nothing of the instance but its slots
 
+    @property
+    def originals(self) -> frozenset[str]:
+        """The names of its instance's own nodes (the prepared graph's; the rest the passes added)."""
+        found = self.__dict__.get("_originals")
+        if found is None:
+            found = self.__dict__["_originals"] = frozenset(n[1] for n in self.names)
+        return found
+
 
 class _Uncopyable(Exception):
     """Something in the template the copy cannot vouch for: the instance runs the passes instead."""
@@ -121,6 +129,7 @@ class _Renamer:
             how = _HOWS[modules] = dict(_HOW)
         self.how: dict[type, int] = how
         self.memo: dict[int, Any] = {}
+        self.originals = template.originals  # the template's names of its instance's own nodes
         self.keep: list[Any] = []  # what the memo's ids belong to, alive while it is used
 
     def seed(self, old: Any, new: Any) -> None:
@@ -297,38 +306,72 @@ def _site_module(prepared: Prepared) -> str | None:
 
 def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, part_over: Callable[..., Any],
           renamer: _Renamer, old_path: str, new_path: str) -> InstrumentedGraphModule:
-    part: InstrumentedGraphModule = part_over(model, Prepared(Graph(), prepared.keep, prepared.constants))
-    renamer.seed(source, part)
+    part: InstrumentedGraphModule = part_over(model, prepared)  # the instance's own prepared graph, its nodes
+    renamer.seed(source, part)  # named and read as the passes would have seen them
     _pair_modules(model, old_path, new_path, renamer)
-    graph = Graph()
-    graph._codegen = source.graph._codegen
-    nodes = renamer.memo
-    made = []
-    for node in source.graph.nodes:  # every node first: metadata and probes may name any of them
-        name = renamer.text(node.name)
-        target = renamer.text(node.target) if isinstance(node.target, str) else node.target
-        new = graph.create_node(node.op, target, renamer.value(node.args), renamer.value(node.kwargs), name, node.type)
-        if new.name != name:
-            raise _Uncopyable(name)  # FX renamed it: a collision the template did not have
-        nodes[id(node)] = new
-        renamer.keep.append(node)
-        made.append((node, new))
-    for node, new in made:
-        new.meta = {k: (renamer.value(v) if k == KEY else v) for k, v in node.meta.items()}
+    graph = prepared.graph
+    mine = _matched(source, graph, renamer)  # checked before the graph is touched: a failure leaves it as prepared
     old_space, new_space = source.__dict__.get(NAMESPACE), part.__dict__.get(NAMESPACE)
     if old_space is None or new_space is None:
         raise _Uncopyable("no namespace")
+    for name, child in old_space._modules.items():
+        if name != "constants" and (not isinstance(child, (Observer, Clock)) or child.__dict__.get("_modules")):
+            raise _Uncopyable(f"fxdebug.{name}")  # a module a pass registered that the copy does not know
+    nodes = renamer.memo
+    made = []
+    cursor: Node | None = None
+    for node in source.graph.nodes:  # the template's nodes: its instance's own ones matched, the passes' inserted
+        new = mine.get(node)
+        if new is None:
+            name = renamer.text(node.name)
+            target = renamer.text(node.target) if isinstance(node.target, str) else node.target
+            args, kwargs = renamer.value(node.args), renamer.value(node.kwargs)
+            where = graph.inserting_before(next(iter(graph.nodes))) if cursor is None else graph.inserting_after(cursor)
+            with where:
+                new = graph.create_node(node.op, target, args, kwargs, name, node.type)
+            new.meta.update({k: v for k, v in node.meta.items() if k != KEY})
+        cursor = new
+        nodes[id(node)] = new
+        renamer.keep.append(node)
+        made.append((node, new))
+    for node, new in made:  # every node made first: metadata and probes may name any of them
+        meta = node.meta.get(KEY)
+        if meta is not None:
+            new.meta[KEY] = renamer.value(meta)
     renamer.seed(old_space, new_space)
     for name, child in old_space._modules.items():
         if name == "constants":
             renamer.seed(child, new_space._modules["constants"])
-            continue
-        if not isinstance(child, (Observer, Clock)) or child.__dict__.get("_modules"):
-            raise _Uncopyable(f"fxdebug.{name}")  # a module a pass registered that the copy does not know
-        new_space._modules[renamer.text(name)] = renamer.value(child)
-    part.graph = graph
+        else:
+            new_space._modules[renamer.text(name)] = renamer.value(child)
     part.meta.update({k: renamer.value(v) for k, v in source.meta.items()})
     return part
+
+
+def _matched(source: InstrumentedGraphModule, graph: Graph, renamer: _Renamer) -> dict[Node, Node]:
+    """The template's nodes of its own instance -> the copy's prepared ones, in order, each with the copy's name, op
+    and inputs; and no name the passes added that the copy's graph already has (FX would rename it)."""
+    originals = list(graph.nodes)
+    taken = {n.name for n in originals}
+    out: dict[Node, Node] = {}
+    i = 0
+    for node in source.graph.nodes:
+        name = renamer.text(node.name)
+        if node.name not in renamer.originals:
+            if name in taken:
+                raise _Uncopyable(name)
+            taken.add(name)
+            continue
+        mine = originals[i] if i < len(originals) else None
+        i += 1
+        if mine is None or mine.name != name or mine.op != node.op:
+            raise _Uncopyable(name)
+        if [renamer.text(a.name) for a in node.all_input_nodes] != [a.name for a in mine.all_input_nodes]:
+            raise _Uncopyable(name)  # a pass rewired it: not the graph the copy's instance has
+        out[node] = mine
+    if i != len(originals):
+        raise _Uncopyable("nodes left")
+    return out
 
 
 def _pair_modules(model: nn.Module, old_path: str, new_path: str, renamer: _Renamer) -> None:
