@@ -277,3 +277,32 @@ def test_a_user_pass_that_shares_gets_its_probes_copied_with_the_copys_nodes(mon
             probe = getattr(obs, "probes", {}).get("keeps-node")
             if probe is not None:
                 assert probe.node.graph is part.graph and probe.node.name == obs.node_name, key
+
+
+def test_hf_llama_decoder_layers_are_copies_equal_to_the_passes_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real block (Hugging Face's LlamaDecoderLayer: attention with GQA, rotary embeddings as inputs, RMSNorm,
+    an MLP): every copied layer is what the passes make for it, and the outputs are the model's."""
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=False)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.LlamaModel(cfg).eval()
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+
+    def run(copies: bool) -> Any:
+        monkeypatch.setenv("FXDEBUG_REGION_COPIES", "1" if copies else "0")
+        return fxdebug.instrument(model, _passes(), example_inputs=(ids,), frontend="dynamo")
+
+    copied, ran = run(True), run(False)
+    assert copied._live_state.region_copies >= 3 and ran._live_state.region_copies == 0
+    _compare_parts(copied, ran)
+    with torch.no_grad():
+        want = model(ids).last_hidden_state
+        assert torch.equal(copied(ids).last_hidden_state, want)
+    layers = {r["module"] for r in copied.report().rows if ".mlp.down_proj" in r["module"]}
+    assert layers == {f"layers.{i}.mlp.down_proj" for i in range(5)}
