@@ -28,6 +28,7 @@ from fxdebug.authoring import (
     get_module,
     is_instrumentation,
     module_path,
+    node_identity,
     node_meta,
     op_label,
     source_line,
@@ -40,7 +41,7 @@ def _counts(t: Tensor) -> bool:
     return not (t.dim() == 0 and t.device.type == "cpu")
 
 
-_Info = tuple[str, str, str, str, str, tuple[str, ...], tuple[str, ...]]
+_Info = tuple[tuple[str, str, str], str, str, str, str, tuple[str, ...], tuple[str, ...]]
 
 
 def check_devices(info: _Info, module: nn.Module | None, *inputs: Any) -> None:
@@ -77,7 +78,7 @@ def _module_tensors(module: nn.Module) -> Any:
 
 
 def _error(info: _Info, module: nn.Module | None, inputs: tuple[Any, ...]) -> DeviceMismatchError:
-    describe, node, path, op, where, names, held = info
+    named, node, path, op, where, names, held = info
     parts = []
     module_devices: dict[str, list[str]] = {}
     for name, qualname, t in zip(names, held, inputs):
@@ -99,7 +100,7 @@ def _error(info: _Info, module: nn.Module | None, inputs: tuple[Any, ...]) -> De
         fix = ("Move them to one device: model.to(device) for parameters, x.to(device) for inputs, and "
                "device=x.device for tensors created inside forward.")
     at = f" Defined at {where}." if where else ""
-    return DeviceMismatchError(f"DeviceCheck: {describe} would mix devices: {'; '.join(parts)}. {fix}{at}",
+    return DeviceMismatchError(f"DeviceCheck: {describe(named)} would mix devices: {'; '.join(parts)}. {fix}{at}",
                                node=node, module=path, op=op)
 
 
@@ -112,6 +113,7 @@ class DeviceCheck(Pass):
 
     name = "device-check"
     observe_only = True
+    shares_instances = True  # its guards' facts are identities (node_identity), worded when a guard fails
     requires = ("shapes",)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -131,7 +133,7 @@ class DeviceCheck(Pass):
 
     @staticmethod
     def _guard(ctx: PassContext, node: Node, tensors: list[Node], has_state: bool, state: set[str]) -> list[Node]:
-        info = (describe(node), node.name, module_path(node), op_label(node), source_line(node) or "",
+        info = (node_identity(node), node.name, module_path(node), op_label(node), source_line(node) or "",
                 tuple(a.name for a in tensors),
                 tuple(str(a.target) if a.op == "get_attr" and str(a.target) in state else "" for a in tensors))
         owner = ctx.insert_before(node, str(node.target)) if has_state else None

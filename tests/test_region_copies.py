@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.errors import NonFiniteError, ShapeMismatchError
-from fxdebug.passes import NaNCheck, ShapeAssert, StatCollector
+from fxdebug.passes import DeviceCheck, NaNCheck, ShapeAssert, StatCollector
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ class Net(nn.Module):
 
 
 def _passes(raise_mode: bool = False) -> list[Any]:
-    return [ShapeAssert(), NaNCheck(mode="raise" if raise_mode else "record"), StatCollector(grads=True)]
+    return [ShapeAssert(), NaNCheck(mode="raise" if raise_mode else "record"), StatCollector(grads=True), DeviceCheck()]
 
 
 def _instrument(model: nn.Module, x: torch.Tensor, copies: bool, monkeypatch: pytest.MonkeyPatch,
