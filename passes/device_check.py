@@ -104,6 +104,24 @@ def _error(info: _Info, module: nn.Module | None, inputs: tuple[Any, ...]) -> De
                                node=node, module=path, op=op)
 
 
+def _state_read(gm: GraphModule) -> set[str]:
+    """The ``get_attr`` targets of ``gm`` that are a parameter or buffer, by the name the graph reads (a shared one
+    may be read under either of its names). Looked up per node: a live part over a large model reads a few of its
+    parameters, and walking all of them for each part was quadratic in the model's depth."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        path, _, attr = str(node.target).rpartition(".")
+        try:
+            owner = gm.get_submodule(path) if path else gm
+        except AttributeError:
+            continue
+        if attr in owner._parameters or attr in owner._buffers:
+            out.add(str(node.target))
+    return out
+
+
 class DeviceCheck(Pass):
     """Guard every op that could mix devices; see the module docstring.
 
@@ -118,9 +136,7 @@ class DeviceCheck(Pass):
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
         added = []
-        # parameters and buffers by every name they have: a graph may read a shared one under either
-        state = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-        state |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+        state = _state_read(gm)
         for node in ctx.nodes(gm, self.where):
             module = get_module(gm, node)
             has_state = module is not None and any(True for _ in _module_tensors(module))
