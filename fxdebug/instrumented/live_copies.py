@@ -41,7 +41,7 @@ from fxdebug.capture.dynamo_regions import REGION_NAME
 from fxdebug.graph.meta import KEY, graph_record
 from fxdebug.instrumented.live_parts import _Part, _part_over, _runner
 from fxdebug.instrumented.module import InstrumentedGraphModule
-from fxdebug.runtime.observer import Clock, Observer, Probe
+from fxdebug.runtime.observer import Clock, FusedProbe, Observer, Probe
 
 __all__ = ["Template", "copied_part", "copies_enabled", "copy_part", "identities", "passes_share", "shared_runner", "signature",
            "template_for"]
@@ -232,6 +232,8 @@ def _how(kind: type, modules: tuple[str, ...]) -> int:
         return _SHARED
     if dataclasses.is_dataclass(kind) and getattr(kind, "__dataclass_params__").frozen and not _slotted(kind):
         return _FROZEN  # a frozen value (a TensorSpec, a Column, a PassResult)
+    if issubclass(kind, FusedProbe) and not _slotted(kind):
+        return _FROZEN  # its numbers come from the fused table, never from an update of its own: shared when unchanged
     if issubclass(kind, Probe):
         return _OBJECT
     callable_ = any("__call__" in c.__dict__ for c in kind.__mro__[:-1])
