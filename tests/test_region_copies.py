@@ -306,3 +306,22 @@ def test_hf_llama_decoder_layers_are_copies_equal_to_the_passes_own(monkeypatch:
         assert torch.equal(copied(ids).last_hidden_state, want)
     layers = {r["module"] for r in copied.report().rows if ".mlp.down_proj" in r["module"]}
     assert layers == {f"layers.{i}.mlp.down_proj" for i in range(5)}
+
+
+def test_copies_of_the_passes_options_are_what_the_passes_make(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Histograms, NaN samples, counts, gradient probes: copies equal the passes' own work for each option."""
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+
+    def passes() -> list[Any]:
+        return [NaNCheck(backward=True, counts=True, samples=True), StatCollector(grads=True, histograms=8, counts=True),
+                ShapeAssert(dynamic_dims=(0,), check_dtype=False)]
+
+    copied = _instrument(model, x, True, monkeypatch, passes())
+    ran = _instrument(model, x, False, monkeypatch, passes())
+    assert copied._live_state.region_copies >= 4
+    _compare_parts(copied, ran)
+    for dbg in (copied, ran):
+        dbg(x).sum().backward()
+        model.zero_grad()
+    assert copied.report().rows == ran.report().rows
