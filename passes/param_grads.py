@@ -173,9 +173,17 @@ class ParamGrads(Pass):
 
     name = "param-grads"
     observe_only = True
+    shares_instances = True  # its probes name parameters by path and hold them: a copy maps both to its instance's
 
     def __init__(self, *, where: Where = None) -> None:
         super().__init__(where=where)
+
+    def on_instance_copy(self, source: GraphModule, copy: GraphModule, renamed: dict[str, str]) -> None:
+        """A copy's probes start with no hooks of their own: the source's pending one-shot hooks are its own."""
+        for observer in copy.get_submodule("fxdebug").children():
+            probe = getattr(observer, "probes", {}).get(ParamGradProbe.key)
+            if isinstance(probe, ParamGradProbe):
+                probe._handles, probe._call = [], None
 
     def _selects(self, node: Node) -> bool:
         covers = getattr(self.where, "covers", None)  # outputs_of("layer1"): the modules themselves

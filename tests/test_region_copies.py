@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.errors import NonFiniteError, ShapeMismatchError
-from fxdebug.passes import DeviceCheck, NaNCheck, ShapeAssert, StatCollector
+from fxdebug.passes import DeviceCheck, NaNCheck, ParamGrads, ShapeAssert, StatCollector
 
 
 @pytest.fixture(autouse=True)
@@ -315,13 +315,16 @@ def test_copies_of_the_passes_options_are_what_the_passes_make(monkeypatch: pyte
 
     def passes() -> list[Any]:
         return [NaNCheck(backward=True, counts=True, samples=True), StatCollector(grads=True, histograms=8, counts=True),
-                ShapeAssert(dynamic_dims=(0,), check_dtype=False)]
+                ShapeAssert(dynamic_dims=(0,), check_dtype=False), ParamGrads()]
 
     copied = _instrument(model, x, True, monkeypatch, passes())
     ran = _instrument(model, x, False, monkeypatch, passes())
     assert copied._live_state.region_copies >= 4
     _compare_parts(copied, ran)
     for dbg in (copied, ran):
-        dbg(x).sum().backward()
-        model.zero_grad()
+        for _ in range(2):  # the one-shot gradient hooks again at the second step
+            dbg(x).sum().backward()
+            model.zero_grad()
     assert copied.report().rows == ran.report().rows
+    grads = {r["param_module"]: r["param_grad_calls"] for r in copied.report().rows if r.get("param_module")}
+    assert {f"blocks.{i}.up" for i in range(6)} <= set(grads) and set(grads.values()) == {2}
