@@ -113,6 +113,7 @@ class Histograms(Pass):
 
     name = "histograms"
     observe_only = True
+    shares_instances = True  # one config-only probe per node: a block's copies share the work
 
     def __init__(self, bins: int = 64, *, range: tuple[float, float] | None = None, grads: bool = False,
                  views: bool = False, where: Where = None) -> None:

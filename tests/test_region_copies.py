@@ -15,7 +15,7 @@ from torch.fx import GraphModule, Node
 import fxdebug
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.errors import NonFiniteError, ShapeMismatchError
-from fxdebug.passes import DeviceCheck, NaNCheck, ParamGrads, ShapeAssert, StatCollector
+from fxdebug.passes import DeviceCheck, Histograms, NaNCheck, ParamGrads, ShapeAssert, StatCollector
 
 
 @pytest.fixture(autouse=True)
@@ -315,7 +315,8 @@ def test_copies_of_the_passes_options_are_what_the_passes_make(monkeypatch: pyte
 
     def passes() -> list[Any]:
         return [NaNCheck(backward=True, counts=True, samples=True), StatCollector(grads=True, histograms=8, counts=True),
-                ShapeAssert(dynamic_dims=(0,), check_dtype=False), ParamGrads()]
+                ShapeAssert(dynamic_dims=(0,), check_dtype=False), ParamGrads(),
+                Histograms(bins=4, grads=True)]
 
     copied = _instrument(model, x, True, monkeypatch, passes())
     ran = _instrument(model, x, False, monkeypatch, passes())
