@@ -329,3 +329,27 @@ def test_copies_of_the_passes_options_are_what_the_passes_make(monkeypatch: pyte
     assert copied.report().rows == ran.report().rows
     grads = {r["param_module"]: r["param_grad_calls"] for r in copied.report().rows if r.get("param_module")}
     assert {f"blocks.{i}.up" for i in range(6)} <= set(grads) and set(grads.values()) == {2}
+
+
+def test_a_call_under_a_dispatch_mode_runs_the_regions_it_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under the user's TorchDispatchMode a call took a path that did not route the regions: Dynamo captured every
+    block again as a frame of its own, under other names, and the first capture's rows stayed at 0 calls."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            Counting.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    dbg = _instrument(model, x, True, monkeypatch, [NaNCheck(), StatCollector()])
+    parts = list(dbg.parts())
+    with Counting():
+        for _ in range(3):
+            torch.testing.assert_close(dbg(x), model(x))
+    assert list(dbg.parts()) == parts  # nothing captured again
+    assert Counting.ops > 0
+    assert {r["calls"] for r in dbg.report().rows} == {3}

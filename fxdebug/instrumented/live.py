@@ -228,8 +228,8 @@ class LiveInstrumented(Instrumented):
         with _disable_current_modes() as modes:
             lifted.append(list(modes))
             try:
-                with live(self), dynamo_config(not self._live_state.ran), QUIET():
-                    return self._entry_now()(*args, **kwargs)
+                with live(self):  # as any call: regions and skipped submodules routed, skips and breaks noted
+                    return run_watched(self, self._entry_now(), *args, **kwargs)
             except torch._dynamo.exc.TorchRuntimeError as exc:
                 self._raise_typed(args, kwargs, exc)
                 raise
