@@ -353,3 +353,14 @@ def test_a_call_under_a_dispatch_mode_runs_the_regions_it_captured(monkeypatch: 
     assert list(dbg.parts()) == parts  # nothing captured again
     assert Counting.ops > 0
     assert {r["calls"] for r in dbg.report().rows} == {3}
+
+
+def test_a_device_mismatch_under_regions_names_the_first_op_that_sees_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The typed error comes from the part a call starts in: with regions several parts take an input of the
+    model's input shape, and the newest-first search named the head."""
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    dbg = _instrument(model, x, True, monkeypatch, [DeviceCheck()])
+    with pytest.raises(fxdebug.DeviceMismatchError) as info:
+        dbg(x.to("meta"))
+    assert info.value.module == "stem" and "parameters stem.weight" in str(info.value)

@@ -200,7 +200,7 @@ class LiveInstrumented(Instrumented):
 
         if kwargs:
             return None
-        for found in reversed(list(self._live_state.parts.values())):
+        for found in _guard_order(self._live_state.parts):
             part = found.part
             call = _user_arguments([n for n in part.graph.nodes if n.op == "placeholder"], args)
             if call is None:
@@ -463,6 +463,17 @@ class LiveInstrumented(Instrumented):
                  # what each pass did (names and counts; not the graph it did it to, which stays in this process)
                  "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
         return (_load_live, (self._model, live.passes, list(self.trace_info.notes), state))
+
+
+def _guard_order(parts: dict[DynamoGraph, _Part]) -> list[_Part]:
+    """The parts in the order a call reaches them (each frame and call site at its first capture), the newest
+    recompile of each first: the first that takes the model's inputs is the one a call starts in (with regional
+    capture several parts take an input of that shape; the head's is not where a mismatch shows first)."""
+    groups: dict[tuple[Any, ...], list[_Part]] = {}
+    for graph, found in parts.items():
+        site = getattr(graph, "site", None)
+        groups.setdefault((graph.frame, site.label if site is not None else ""), []).append(found)
+    return [found for group in groups.values() for found in reversed(group)]
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],
