@@ -364,3 +364,25 @@ def test_a_device_mismatch_under_regions_names_the_first_op_that_sees_it(monkeyp
     with pytest.raises(fxdebug.DeviceMismatchError) as info:
         dbg(x.to("meta"))
     assert info.value.module == "stem" and "parameters stem.weight" in str(info.value)
+
+
+def test_on_nonfinite_reads_one_flag_per_call_over_every_region(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each region is a graph with its own recorder: each read its "went non-finite" flag, one host sync per block
+    per call. The live call now reads them all at its end, once; the callback still fires for the NaN."""
+    from syncs import CountSyncs
+
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    fired: list[Any] = []
+    dbg = _instrument(model, x, True, monkeypatch, [NaNCheck(history=4, on_nonfinite=fired.append)])
+    assert len(dbg.parts()) >= 8
+    mode = CountSyncs()
+    with mode:
+        for _ in range(3):
+            dbg(x)
+    assert mode.syncs == 3 and not fired
+    with torch.no_grad():
+        model.blocks[3].down.bias[0] = float("nan")
+    dbg(x)
+    assert len(fired) >= 1 and fired[0].first_nonfinite is not None
+    assert "blocks_3_down" in fired[0].first_nonfinite

@@ -55,6 +55,7 @@ from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _n
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import channel_maxima
 from fxdebug.report.report import Report, merge_reports
+from fxdebug.runtime.call_flags import one_read_per_call
 from fxdebug.runtime.observer import Observer
 
 __all__ = ["LiveInstrumented"]
@@ -124,15 +125,16 @@ class LiveInstrumented(Instrumented):
                 module="", op="global hook")
         captured = len(state.parts)
         try:
-            if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured, nothing observed
-                out = self._call_under_modes(args, kwargs)
-            else:
-                with live(self):  # Dynamo's settings for a live capture, skips and breaks noted: live_skips.py
-                    try:
-                        out = run_watched(self, self._entry_now(), *args, **kwargs)
-                    except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
-                        self._raise_typed(args, kwargs, exc)
-                        raise
+            with one_read_per_call():  # the checks' device flags of every graph of the call, read once at its end
+                if any_torch_dispatch_mode_on_stack():  # Dynamo would skip the frame: nothing captured or observed
+                    out = self._call_under_modes(args, kwargs)
+                else:
+                    with live(self):  # Dynamo's settings for a live capture, skips and breaks noted: live_skips.py
+                        try:
+                            out = run_watched(self, self._entry_now(), *args, **kwargs)
+                        except torch._dynamo.exc.TorchRuntimeError as exc:  # an op failed on Dynamo's fake tensors
+                            self._raise_typed(args, kwargs, exc)
+                            raise
         except FxDebugError as exc:
             if exc.__dict__.get(_WHILE_INSTRUMENTING):  # a new graph's ops failed on these arguments while its shapes
                 guarded = guard_error(self._guarded(args, kwargs))  # were learnt: a pass's guard from the earlier graphs

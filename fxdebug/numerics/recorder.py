@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.fx import GraphModule, Node
 
+from fxdebug.runtime.call_flags import defer
 from fxdebug.runtime.columns import HIDDEN, Column
 from fxdebug.authoring.context import PassContext
 from fxdebug.graph.meta import fx_meta
@@ -218,16 +219,24 @@ class RecorderEnd(nn.Module):
         flight.record(table, rows)
         if self.on_nonfinite is None or flight.fired or table.device.type == "meta":
             return None
-        if not bool(flight.went_bad(table, rows)):  # the documented sync: one flag per call
+        bad = flight.went_bad(table, rows)
+        if defer(bad, self._fire):  # a live call reads every graph's flag at its end, in one transfer
             return None
-        flight.fired = True
+        if not bool(bad):  # the documented sync: one flag per call
+            return None
+        self._fire()
+        return None
+
+    def _fire(self) -> None:
+        if self.flight.fired:
+            return
+        self.flight.fired = True
         owner = self._owner() if self._owner is not None else None
         report = owner.report() if owner is not None and hasattr(owner, "report") else None
         if callable(self.on_nonfinite):
             self.on_nonfinite(report)
         elif report is not None:
             report.to_json(str(self.on_nonfinite))
-        return None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "RecorderEnd":
         import copy
