@@ -10,7 +10,10 @@ input signature, gets a copy of it in which every identity of the template's ins
 paths, parameter paths, get_attr targets, the model's own submodules and parameters) is replaced by the new
 instance's, and whose observers and clock are fresh: its own row table. The identities come from the copy's
 own ``prepare`` (Dynamo's graph named for the new site), matched to the template's node by node, so nothing is
-guessed from text; a name the passes derived from a node's (``obs_<node>``) is renamed by the node's.
+guessed from text; a name the passes derived from a node's (``obs_<node>``) is renamed by the node's. The copy is
+that prepared graph itself with the passes' nodes inserted where the template has them (its own nodes keep what
+``prepare`` gave them; the template's fxdebug metadata, renamed, replaces theirs), checked against the template
+before it is touched.
 
 A copy is made only when every pass says its work is the same, renamed, on every instance
 (``Pass.shares_instances``, and no ``where=`` selection, which names paths); a pass that keeps state of its own
