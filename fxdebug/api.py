@@ -311,21 +311,12 @@ def _regional_note(model: nn.Module) -> Regional | None:
     """Above ``LIVE_MODULE_LIMIT`` modules, the live capture when the model's repeated blocks hold at least half of
     its modules: each block is a region traced once and its instances are copies (``live_regions``,
     ``live_copies``), so the capture costs about one block per structure, not Dynamo's trace of every module."""
-    from fxdebug.capture.dynamo_regions import find_regions
+    from fxdebug.capture.dynamo_regions import covered, find_regions
 
     regions = find_regions(model)
     if not regions.blocks:
         return None
-    paths = regions.paths
-    total = inside = 0
-    for path, _ in model.named_modules():
-        total += 1
-        cut = path
-        while cut:
-            if cut in paths:
-                inside += 1
-                break
-            cut = cut.rpartition(".")[0]
+    inside, total = covered(model, regions)
     if 2 * inside < total:
         return None
     return Regional(f"auto: the live Dynamo capture with regional capture: more than {LIVE_MODULE_LIMIT} modules, "

@@ -59,6 +59,13 @@ def _instrument(model: nn.Module, x: torch.Tensor, copies: bool, monkeypatch: py
                               frontend="dynamo")
 
 
+def _both(monkeypatch: pytest.MonkeyPatch, passes: Any = _passes) -> tuple[nn.Module, torch.Tensor, Any, Any]:
+    """``(model, x, copied, ran)``: one seeded ``Net(6)`` instrumented with copies and without (``passes()`` each)."""
+    torch.manual_seed(0)
+    model, x = Net(6), torch.randn(2, 4)
+    return model, x, _instrument(model, x, True, monkeypatch, passes()), _instrument(model, x, False, monkeypatch, passes())
+
+
 _VOLATILE = {"seconds", "instrument_seconds", "table", "_tick", "_host", "_ticks", "_host_calls"}
 
 
@@ -119,10 +126,7 @@ def _compare_parts(copied: Any, ran: Any) -> int:
 @pytest.mark.parametrize("raise_mode", [False, True])
 def test_a_copied_part_is_what_the_passes_make_for_that_instance(monkeypatch: pytest.MonkeyPatch,
                                                                   raise_mode: bool) -> None:
-    torch.manual_seed(0)
-    model, x = Net(6), torch.randn(2, 4)
-    copied = _instrument(model, x, True, monkeypatch, _passes(raise_mode))
-    ran = _instrument(model, x, False, monkeypatch, _passes(raise_mode))
+    model, x, copied, ran = _both(monkeypatch, lambda: _passes(raise_mode))
     assert copied._live_state.region_copies >= 4  # the first instance (or two: the chain's first input) ran them
     assert ran._live_state.region_copies == 0
     assert _compare_parts(copied, ran) >= 8
@@ -135,10 +139,7 @@ def test_a_copied_part_is_what_the_passes_make_for_that_instance(monkeypatch: py
 
 
 def test_copies_keep_their_own_statistics_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.manual_seed(0)
-    model, x = Net(6), torch.randn(2, 4)
-    copied = _instrument(model, x, True, monkeypatch)
-    ran = _instrument(model, x, False, monkeypatch)
+    model, x, copied, ran = _both(monkeypatch)
     outs = []
     for dbg in (copied, ran):
         y = dbg(x)
@@ -156,10 +157,7 @@ def test_copies_keep_their_own_statistics_and_gradients(monkeypatch: pytest.Monk
 
 
 def test_a_copy_names_its_own_nodes_in_shape_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    torch.manual_seed(0)
-    model, x = Net(6), torch.randn(2, 4)
-    copied = _instrument(model, x, True, monkeypatch)
-    ran = _instrument(model, x, False, monkeypatch)
+    model, x, copied, ran = _both(monkeypatch)
     messages = []
     for dbg in (copied, ran):
         part = dbg.parts()[next(k for k in dbg.parts() if k.endswith("@blocks.3"))]
@@ -310,16 +308,12 @@ def test_hf_llama_decoder_layers_are_copies_equal_to_the_passes_own(monkeypatch:
 
 def test_copies_of_the_passes_options_are_what_the_passes_make(monkeypatch: pytest.MonkeyPatch) -> None:
     """Histograms, NaN samples, counts, gradient probes: copies equal the passes' own work for each option."""
-    torch.manual_seed(0)
-    model, x = Net(6), torch.randn(2, 4)
-
     def passes() -> list[Any]:
         return [NaNCheck(backward=True, counts=True, samples=True), StatCollector(grads=True, histograms=8, counts=True),
                 ShapeAssert(dynamic_dims=(0,), check_dtype=False), ParamGrads(),
                 Histograms(bins=4, grads=True)]
 
-    copied = _instrument(model, x, True, monkeypatch, passes())
-    ran = _instrument(model, x, False, monkeypatch, passes())
+    model, x, copied, ran = _both(monkeypatch, passes)
     assert copied._live_state.region_copies >= 4
     _compare_parts(copied, ran)
     for dbg in (copied, ran):

@@ -37,7 +37,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["ENTER", "MIN_REPEATS", "REGION_NAME", "is_region_break", "region_code", "regions_enabled", "Regions", "find_regions",
+__all__ = ["ENTER", "MIN_REPEATS", "REGION_NAME", "covered", "is_region_break", "region_code", "regions_enabled", "Regions", "find_regions",
            "region_function", "state_free", "takes_state"]
 
 MIN_REPEATS = 4  # instances of one class that make it a block worth one trace for all (a transformer's layers)
@@ -145,6 +145,16 @@ def find_regions(model: nn.Module, min_repeats: int = MIN_REPEATS) -> Regions:
                 chosen[path] = ("child", path)
     stateful = frozenset(k for k in chosen.values() if k[0] != "child" and takes_state(k[0]))
     return Regions(chosen, blocks, len({k for k in chosen.values()}), stateful)
+
+
+def covered(model: nn.Module, regions: Regions) -> tuple[int, int]:
+    """``(modules inside a region, all modules)`` of ``model``: how much of it regional capture traces once per block."""
+    total = inside = 0
+    for path, _ in model.named_modules():
+        total += 1
+        if path and (path in regions.paths or _inside(path, regions.paths)):
+            inside += 1
+    return inside, total
 
 
 def _inside(path: str, paths: Any) -> bool:

@@ -31,7 +31,7 @@ from fxdebug.authoring.pipeline import Pass
 from fxdebug.authoring.run_part import run_part
 from fxdebug.capture.staleness import global_hook_count
 from fxdebug.capture.dynamo_backends import compiled, compiler_for, composite
-from fxdebug.capture.dynamo import DynamoGraph, dynamo_config, live, prepare
+from fxdebug.capture.dynamo import DynamoGraph, live, prepare
 from fxdebug.capture.dynamo_regions import is_region_break, regions_enabled
 from fxdebug.capture.dynamo_sites import at_site
 from fxdebug.capture.trace_info import TraceInfo
@@ -49,7 +49,7 @@ from fxdebug.instrumented.live_copies import (Template, copied_part, copies_enab
 from fxdebug.instrumented.live_call import backend_note, live_call, live_forward, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
-from fxdebug.instrumented.live_skips import QUIET, compile_scope, run_watched
+from fxdebug.instrumented.live_skips import compile_scope, run_watched
 from fxdebug.instrumented.live_state import STATE_KEY, LiveState
 from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts
 from fxdebug.render.draw import render as draw

@@ -29,7 +29,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -59,8 +59,8 @@ def copies_enabled() -> bool:
 
 def passes_share(passes: Sequence[Pass]) -> bool:
     """Whether every pass's work on one instance of a block is the same, renamed, on the others."""
-    return bool(passes) and all(getattr(p, "shares_instances", False) and getattr(p, "where", None) is None
-                                and "prior_report" not in getattr(p, "requires", ()) for p in passes)
+    return bool(passes) and all(p.shares_instances and p.where is None and "prior_report" not in p.requires
+                                for p in passes)
 
 
 def template_for(graph: Any) -> Any:
@@ -103,14 +103,10 @@ class Template:
     inert: set[str] = dataclasses.field(default_factory=set)  # its strings that hold none of its identities
     same: dict[int, Any] = dataclasses.field(default_factory=dict)  # its immutable objects that hold none (by id)
     runner_shared: bool | None = None  # whether its runner reaches nothing of the instance but its slots
+    originals: frozenset[str] = dataclasses.field(init=False)  # its instance's own node names (the rest: the passes')
 
-    @property
-    def originals(self) -> frozenset[str]:
-        """The names of its instance's own nodes (the prepared graph's; the rest the passes added)."""
-        found = self.__dict__.get("_originals")
-        if found is None:
-            found = self.__dict__["_originals"] = frozenset(n[1] for n in self.names)
-        return found
+    def __post_init__(self) -> None:
+        self.originals = frozenset(n[1] for n in self.names)
 
 
 class _Uncopyable(Exception):
@@ -273,12 +269,12 @@ def _pattern(names: list[Identity]) -> "re.Pattern[str] | None":
     return re.compile("|".join(map(re.escape, words))) if words else None
 
 
-def copy_part(template: Template, prepared: Prepared, model: nn.Module, part_over: Callable[..., Any],
-              passes: Sequence[Pass]) -> tuple[InstrumentedGraphModule, dict[int, Any], dict[str, str]] | None:
+def copy_part(template: Template, prepared: Prepared, model: nn.Module,
+              passes: Sequence[Pass]) -> tuple[InstrumentedGraphModule, dict[int, Any]] | None:
     """The copy of ``template``'s part for the instance ``prepared`` names; ``None`` when it cannot be one.
 
-    Returns ``(part, memo, names)``: ``memo`` maps the template's objects (observers, clock, constants) to the copy's,
-    for its runner; ``names`` is the identity table."""
+    Returns ``(part, memo)``: ``memo`` maps the template's objects (observers, clock, constants) to the copy's, for
+    its runner."""
     new_path = _site_module(prepared)
     table = None if new_path is None else _name_table(template.names, identities(prepared.graph), template.module,
                                                       new_path)
@@ -291,14 +287,14 @@ def copy_part(template: Template, prepared: Prepared, model: nn.Module, part_ove
     renamer = _Renamer(table, template, modules)
     source: InstrumentedGraphModule = template.found.part
     try:
-        part = _copy(source, prepared, model, part_over, renamer, template.module, new_path)
+        part = _copy(source, prepared, model, renamer, template.module, new_path)
     except _Uncopyable:
         return None
     for p in passes:
         hook = getattr(p, "on_instance_copy", None)
         if hook is not None:
             hook(source, part, table)
-    return part, renamer.memo, table
+    return part, renamer.memo
 
 
 def _site_module(prepared: Prepared) -> str | None:
@@ -309,9 +305,9 @@ def _site_module(prepared: Prepared) -> str | None:
     return None
 
 
-def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, part_over: Callable[..., Any],
-          renamer: _Renamer, old_path: str, new_path: str) -> InstrumentedGraphModule:
-    part: InstrumentedGraphModule = part_over(model, prepared)  # the instance's own prepared graph, its nodes
+def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, renamer: _Renamer, old_path: str,
+          new_path: str) -> InstrumentedGraphModule:
+    part = _part_over(model, prepared)  # the instance's own prepared graph, its nodes
     renamer.seed(source, part)  # named and read as the passes would have seen them
     _pair_modules(model, old_path, new_path, renamer)
     graph = prepared.graph
@@ -439,10 +435,10 @@ def copied_part(state: Any, model: nn.Module, graph: Any, shared: Any, prepared:
         return None
     if prepared.keep != template.found.keep or signature([args[i] for i in prepared.keep]) != template.signature:
         return None
-    made = copy_part(template, prepared, model, _part_over, state.passes)
+    made = copy_part(template, prepared, model, state.passes)
     if made is None:
         return None
-    part, memo, _ = made
+    part, memo = made
     graph_record(part).trace.seconds = time.perf_counter() - start
     run = shared_runner(template, memo, part) if graph.compiler is None else None
     if run is None:
