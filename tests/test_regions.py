@@ -236,3 +236,33 @@ def test_an_inlined_capture_of_a_class_after_a_regional_one_captures(monkeypatch
     dbg(x).sum().backward()
     assert len(dbg.parts()) == 1
     assert any(k.startswith("grad") for row in dbg.report().rows for k in row)
+
+
+def _sequence_with_heads() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), *[Block(8) for _ in range(6)], nn.Sequential(nn.Linear(8, 8), nn.ReLU()),
+                         nn.Linear(8, 3))
+
+
+def test_an_nn_sequential_of_blocks_observes_its_other_children_and_is_not_traced_itself(monkeypatch: object) -> None:
+    # nn.Sequential's forward is a loop: Dynamo broke at the first block, ran the loop eagerly, and the children that
+    # are not blocks (the stem, the nested head, the last layer) ran unobserved, with no word
+    from torch._dynamo.utils import counters
+
+    model = _sequence_with_heads()
+    x = torch.randn(2, 8)
+    counters.clear()
+    dbg = fxdebug.instrument(model, [StatCollector(grads=True)], x, frontend="dynamo")
+    assert not counters["graph_break"]  # the root's loop was not traced up to a block and broken there
+    out = dbg(x)
+    assert torch.equal(out, model(x))
+    out.sum().backward()
+    rows = {r["module"]: r for r in dbg.report().rows}
+    assert {"0", "7.0", "7.1", "8", "1.fc1", "6.fc2"} <= set(rows)
+    monkeypatch.setenv("FXDEBUG_REGIONS", "0")  # type: ignore[attr-defined]
+    inlined = fxdebug.instrument(_sequence_with_heads(), [StatCollector(grads=True)], x, frontend="dynamo")
+    inlined(x).sum().backward()
+    want = {r["module"]: r for r in inlined.report().rows}
+    for path in ("0", "7.0", "8", "3.fc2"):
+        for column in ("mean", "std", "grad_norm"):
+            assert rows[path][column] == pytest.approx(want[path][column], rel=1e-5), (path, column)

@@ -137,8 +137,8 @@ def find_regions(model: nn.Module, min_repeats: int = MIN_REPEATS) -> Regions:
     for owner in _loop_owners(model, chosen):
         for name, child in owner[1]._modules.items():
             path = f"{owner[0]}.{name}" if owner[0] else name
-            if child is None or isinstance(child, _CONTAINERS) or path in chosen:
-                continue
+            if child is None or path in chosen or (isinstance(child, _CONTAINERS) and type(child) is not nn.Sequential):
+                continue  # (a list or dict of modules is not called; a plain ``nn.Sequential`` is, as one region)
             if any(c.startswith(path + ".") for c in chosen if c.startswith(path)):
                 continue
             if "forward" not in child.__dict__:
@@ -169,16 +169,16 @@ def _inside(path: str, paths: Any) -> bool:
 
 
 def _loop_owners(model: nn.Module, chosen: dict[str, Any]) -> list[tuple[str, nn.Module]]:
-    """Modules that hold a ``ModuleList`` / ``ModuleDict`` of regions: their forward loops over it."""
+    """Modules whose forward loops over regions: the owner of a ``ModuleList`` / ``ModuleDict`` of them, and an
+    ``nn.Sequential`` holding them (its forward is that loop: its other children ran unobserved before)."""
     owners: dict[str, nn.Module] = {}
     for path in chosen:
-        parts = path.split(".")
-        if len(parts) < 2:
-            continue
-        container_path = ".".join(parts[:-1])
-        container = model.get_submodule(container_path)
-        if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-            owner_path = ".".join(parts[:-2])
+        container_path = path.rpartition(".")[0]
+        container = model.get_submodule(container_path) if container_path else model
+        if isinstance(container, nn.Sequential):
+            owners.setdefault(container_path, container)
+        elif isinstance(container, (nn.ModuleList, nn.ModuleDict)) and container_path:
+            owner_path = container_path.rpartition(".")[0]
             owners.setdefault(owner_path, model.get_submodule(owner_path) if owner_path else model)
     return list(owners.items())
 

@@ -150,9 +150,11 @@ class _Renamer:
         return out
 
     def value(self, x: Any) -> Any:
+        # the hot loop of a copy (some 450 values a block): strings and atoms answered without a further call
         kind = type(x)
         if kind is str:
-            return self.text(x)
+            hit = self.names.get(x)
+            return hit if hit is not None else x if x in self.inert else self.text(x)
         how = self.how.get(kind)
         if how is None:
             how = self.how[kind] = _how(kind, self.modules)
@@ -165,12 +167,13 @@ class _Renamer:
             if id(x) in self.same:
                 return x
             if kind is tuple or kind is frozenset:
-                items = [self.value(v) for v in x]
+                items = self.items(x)
                 changed = any(a is not b for a, b in zip(items, x))
                 out = kind(items) if changed else x
             else:
-                fields = {k: self.value(v) for k, v in x.__dict__.items()}
-                changed = any(v is not x.__dict__[k] for k, v in fields.items())
+                state = x.__dict__
+                fields = dict(zip(state, self.items(state.values())))
+                changed = any(v is not state[k] for k, v in fields.items())
                 out = x
                 if changed:
                     out = object.__new__(kind)
@@ -179,11 +182,11 @@ class _Renamer:
                 self.same[id(x)] = x
             return out
         if how is _SEQUENCE:
-            return kind(self.value(v) for v in x)
+            return kind(self.items(x))
         if how is _MAPPING:
-            return kind((self.value(k), self.value(v)) for k, v in x.items())
+            return kind(zip(self.items(x.keys()), self.items(x.values())))
         if how is _FIELDS:
-            return kind(*(self.value(v) for v in x))
+            return kind(*self.items(x))
         if how is _CLOCK:  # the same rows, a table of its own (made at its first call, on its input's device)
             clock = type(x)()
             clock.training, clock.rows, clock.spans = x.training, x.rows, list(x.spans)
@@ -194,15 +197,31 @@ class _Renamer:
         if how is _OBJECT:
             new = object.__new__(kind)
             self.seed(x, new)
-            new.__dict__.update({k: self.value(v) for k, v in x.__dict__.items()})
+            state = x.__dict__
+            new.__dict__.update(zip(state, self.items(state.values())))
             return new
         return x  # _SHARED: the model's modules outside the instance (unless paired), passes, nodes of other graphs
+
+    def items(self, xs: Any) -> list[Any]:
+        """``[self.value(x) for x in xs]``, with the strings and atoms among them answered in place."""
+        names, inert, how, value = self.names, self.inert, self.how, self.value
+        out = []
+        for x in xs:
+            kind = type(x)
+            if kind is str:
+                hit = names.get(x)
+                out.append(hit if hit is not None else x if x in inert else self.text(x))
+            elif how.get(kind) is _ATOM:
+                out.append(x)
+            else:
+                out.append(value(x))
+        return out
 
     def _observer(self, obs: Observer) -> Observer:
         new = object.__new__(type(obs))
         self.seed(obs, new)
-        state = {k: self.value(v) for k, v in obs.__dict__.items() if k not in ("states", "_devices", "_calls")}
-        new.__dict__.update(state)  # statistics start empty: the copy's own rows
+        state = {k: v for k, v in obs.__dict__.items() if k not in ("states", "_devices", "_calls")}
+        new.__dict__.update(zip(state, self.items(state.values())))  # statistics start empty: the copy's own rows
         return new
 
 

@@ -41,15 +41,16 @@ class routed_regions:  # noqa: N801 - a context manager, used as a function
         self.live = live
         self.kwargs = kwargs
         self.installed: list[Any] = []
+        self.root_eager = False  # the model is a plain ``nn.Sequential`` of routed regions: nothing for Dynamo to trace
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> "routed_regions":
         state = self.live._live_state
         if state.regions is None:
             state.regions = find_regions(self.live._model) if state.regional else Regions({}, 0, 0)
             if state.regions:
                 _note(self.live, state.regions)
         if not state.regions:
-            return
+            return self
         compiler = outer_now()
         if compiler is None:
             compiler = compiler_for(state.backend)
@@ -62,11 +63,27 @@ class routed_regions:  # noqa: N801 - a context manager, used as a function
                 continue  # a group this call gives a cache
             module.__dict__["forward"] = route
             self.installed.append(module)
+        self.root_eager = _sequence_of_regions(self.live._model, self.installed)
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         for module in self.installed:
             module.__dict__.pop("forward", None)
         self.installed.clear()
+
+
+def _sequence_of_regions(model: Any, routed: list[Any]) -> bool:
+    """Whether ``model``'s forward is ``nn.Sequential``'s loop over children that all enter their regions now.
+
+    Dynamo cannot resume after a graph break inside a loop, so it would trace that loop up to its first child, break,
+    and run the frame eagerly: its graph holds nothing, and the trace (wrapping the model's every submodule) was the
+    largest single cost of a deep model's start-up (0.7 s of 4 at 2,500 blocks). Such a root is called eagerly."""
+    if type(model).forward is not torch.nn.Sequential.forward or "forward" in model.__dict__:
+        return False
+    if torch.compiler.is_compiling() or not model._modules:
+        return False
+    ids = {id(m) for m in routed}
+    return all(id(child) in ids for child in model._modules.values())
 
 
 def _inlined_now(live: Any, regions: Regions, kwargs: dict[str, Any] | None) -> frozenset[Any]:

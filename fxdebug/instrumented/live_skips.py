@@ -142,8 +142,8 @@ def _run(live: Any, entry: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     with routed_skipped_modules(live), recorded_skips() as skips, recorded_breaks(type(live._model)):
         captured = len(state.parts)
         try:
-            with routed_regions(live, kwargs):
-                out = entry(*args, **kwargs)
+            with routed_regions(live, kwargs) as routed:
+                out = (live._model if routed.root_eager else entry)(*args, **kwargs)
         except NotShared:  # instrument()'s example call: a group of blocks needs a graph each: captured inlined
             for graph in list(state.parts)[captured:]:  # the parts of the abandoned try
                 del state.parts[graph]
