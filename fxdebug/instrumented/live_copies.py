@@ -33,8 +33,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from torch.fx import Graph, GraphModule, Node
-from torch.fx.immutable_collections import immutable_dict, immutable_list
+from torch.fx import Graph, Node
 
 from fxdebug.authoring.context import NAMESPACE
 from fxdebug.capture.dynamo_backends import compiled
@@ -42,9 +41,10 @@ from fxdebug.authoring.pipeline import Pass
 from fxdebug.capture.dynamo import Prepared
 from fxdebug.capture.dynamo_regions import REGION_NAME
 from fxdebug.graph.meta import KEY, graph_record
+from fxdebug.instrumented.copy_walk import Renamer
 from fxdebug.instrumented.live_parts import _Part, _part_over, _runner
 from fxdebug.instrumented.module import InstrumentedGraphModule
-from fxdebug.runtime.observer import Clock, FusedProbe, Observer, Probe
+from fxdebug.runtime.observer import Clock, Observer
 
 __all__ = ["Template", "copied_part", "copies_enabled", "copy_part", "identities", "passes_share", "shared_runner", "signature",
            "template_for"]
@@ -102,6 +102,7 @@ class Template:
     pattern: "re.Pattern[str] | None" = None  # its node names, longest first (names the passes derived from them)
     inert: set[str] = dataclasses.field(default_factory=set)  # its strings that hold none of its identities
     same: dict[int, Any] = dataclasses.field(default_factory=dict)  # its immutable objects that hold none (by id)
+    plans: dict[int, Any] = dataclasses.field(default_factory=dict)  # the copies' recipes (``copy_walk``)
     runner_shared: bool | None = None  # whether its runner reaches nothing of the instance but its slots
     originals: frozenset[str] = dataclasses.field(init=False)  # its instance's own node names (the rest: the passes')
 
@@ -111,158 +112,6 @@ class Template:
 
 class _Uncopyable(Exception):
     """Something in the template the copy cannot vouch for: the instance runs the passes instead."""
-
-
-class _Renamer:
-    """The template's world mapped to the copy's: strings by the identity table, the instance's modules and
-    parameters by position, fxdebug's observers and clock fresh, fxdebug's (and the passes') objects copied."""
-
-    def __init__(self, names: dict[str, str], template: Template, modules: tuple[str, ...]) -> None:
-        self.names = names
-        self.pattern = template.pattern
-        self.inert = template.inert  # strings of the template that hold none of its identities (no copy renames them)
-        self.same = template.same  # immutable objects of the template that hold none either: shared as they are
-        self.modules = modules  # class modules whose objects are copied (fxdebug's and the passes')
-        how = _HOWS.get(modules)
-        if how is None:
-            how = _HOWS[modules] = dict(_HOW)
-        self.how: dict[type, int] = how
-        self.memo: dict[int, Any] = {}
-        self.originals = template.originals  # the template's names of its instance's own nodes
-        self.keep: list[Any] = []  # what the memo's ids belong to, alive while it is used
-
-    def seed(self, old: Any, new: Any) -> None:
-        self.memo[id(old)] = new
-        self.keep.append(old)
-
-    def text(self, s: str) -> str:
-        hit = self.names.get(s)
-        if hit is not None:
-            return hit
-        if s in self.inert:
-            return s
-        if self.pattern is None or _SPACE.search(s) is not None:  # prose is never rewritten
-            self.inert.add(s)
-            return s
-        out = self.pattern.sub(lambda m: self.names[m.group(0)], s)
-        if out == s:
-            self.inert.add(s)
-        return out
-
-    def value(self, x: Any) -> Any:
-        # the hot loop of a copy (some 450 values a block): strings and atoms answered without a further call
-        kind = type(x)
-        if kind is str:
-            hit = self.names.get(x)
-            return hit if hit is not None else x if x in self.inert else self.text(x)
-        how = self.how.get(kind)
-        if how is None:
-            how = self.how[kind] = _how(kind, self.modules)
-        if how is _ATOM:
-            return x
-        hit = self.memo.get(id(x))
-        if hit is not None:
-            return hit
-        if how is _FROZEN:  # immutable: itself when nothing inside is renamed (known by id the next time)
-            if id(x) in self.same:
-                return x
-            if kind is tuple or kind is frozenset:
-                items = self.items(x)
-                changed = any(a is not b for a, b in zip(items, x))
-                out = kind(items) if changed else x
-            else:
-                state = x.__dict__
-                fields = dict(zip(state, self.items(state.values())))
-                changed = any(v is not state[k] for k, v in fields.items())
-                out = x
-                if changed:
-                    out = object.__new__(kind)
-                    out.__dict__.update(fields)
-            if not changed:
-                self.same[id(x)] = x
-            return out
-        if how is _SEQUENCE:
-            return kind(self.items(x))
-        if how is _MAPPING:
-            return kind(zip(self.items(x.keys()), self.items(x.values())))
-        if how is _FIELDS:
-            return kind(*self.items(x))
-        if how is _CLOCK:  # the same rows, a table of its own (made at its first call, on its input's device)
-            clock = type(x)()
-            clock.training, clock.rows, clock.spans = x.training, x.rows, list(x.spans)
-            self.seed(x, clock)
-            return clock
-        if how is _OBSERVER:
-            return self._observer(x)
-        if how is _OBJECT:
-            new = object.__new__(kind)
-            self.seed(x, new)
-            state = x.__dict__
-            new.__dict__.update(zip(state, self.items(state.values())))
-            return new
-        return x  # _SHARED: the model's modules outside the instance (unless paired), passes, nodes of other graphs
-
-    def items(self, xs: Any) -> list[Any]:
-        """``[self.value(x) for x in xs]``, with the strings and atoms among them answered in place."""
-        names, inert, how, value = self.names, self.inert, self.how, self.value
-        out = []
-        for x in xs:
-            kind = type(x)
-            if kind is str:
-                hit = names.get(x)
-                out.append(hit if hit is not None else x if x in inert else self.text(x))
-            elif how.get(kind) is _ATOM:
-                out.append(x)
-            else:
-                out.append(value(x))
-        return out
-
-    def _observer(self, obs: Observer) -> Observer:
-        new = object.__new__(type(obs))
-        self.seed(obs, new)
-        state = {k: v for k, v in obs.__dict__.items() if k not in ("states", "_devices", "_calls")}
-        new.__dict__.update(zip(state, self.items(state.values())))  # statistics start empty: the copy's own rows
-        return new
-
-
-_SPACE = re.compile(r"\s")
-_ATOM, _SHARED, _SEQUENCE, _MAPPING, _FIELDS, _CLOCK, _OBSERVER, _OBJECT, _FROZEN = range(9)
-_HOW: dict[type, int] = {k: _ATOM for k in (int, float, bool, type(None), bytes, complex, torch.dtype, torch.device,
-                                             torch.Size, torch.memory_format, torch.layout, range, slice)}
-_HOW.update({list: _SEQUENCE, tuple: _FROZEN, set: _SEQUENCE, frozenset: _FROZEN, immutable_list: _SEQUENCE,
-             dict: _MAPPING, immutable_dict: _MAPPING, Node: _SHARED})
-
-
-_HOWS: dict[tuple[str, ...], dict[type, int]] = {}  # per set of copied modules: type -> how
-
-
-def _how(kind: type, modules: tuple[str, ...]) -> int:
-    """How ``_Renamer.value`` treats a value of this type (decided once per type; by class, not by pass)."""
-    if issubclass(kind, torch.Tensor):
-        return _SHARED  # a tensor: the instance's own parameters are paired by identity (memo) before this
-    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
-        return _FIELDS
-    if issubclass(kind, Clock):
-        return _CLOCK
-    if issubclass(kind, Observer):
-        return _OBSERVER
-    if issubclass(kind, (nn.Module, Pass, type)):
-        return _SHARED
-    if dataclasses.is_dataclass(kind) and getattr(kind, "__dataclass_params__").frozen and not _slotted(kind):
-        return _FROZEN  # a frozen value (a TensorSpec, a Column, a PassResult)
-    if issubclass(kind, FusedProbe) and not _slotted(kind):
-        return _FROZEN  # its numbers come from the fused table, never from an update of its own: shared when unchanged
-    if issubclass(kind, Probe):
-        return _OBJECT
-    callable_ = any("__call__" in c.__dict__ for c in kind.__mro__[:-1])
-    if kind.__module__.startswith(modules) and not callable_ and not _slotted(kind):
-        return _OBJECT  # fxdebug's or a pass's own helper (ShapeAssert's guard): copied with the probes holding it
-    return _SHARED
-
-
-def _slotted(kind: type) -> bool:
-    """Whether instances have no ``__dict__`` (slots only): such values are not copied field by field."""
-    return not getattr(kind, "__dictoffset__", 0)
 
 
 def _name_table(old: list[Identity], new: list[Identity], module_old: str, module_new: str) -> dict[str, str] | None:
@@ -303,7 +152,7 @@ def copy_part(template: Template, prepared: Prepared, model: nn.Module,
         template.pattern = _pattern(template.names)
     # the classes whose objects are copied: fxdebug's own, and the modules the passes come from (their probes' helpers)
     modules = ("fxdebug.",) + tuple(sorted({type(p).__module__ for p in passes}))
-    renamer = _Renamer(table, template, modules)
+    renamer = Renamer(table, template, modules)
     source: InstrumentedGraphModule = template.found.part
     try:
         part = _copy(source, prepared, model, renamer, template.module, new_path)
@@ -324,7 +173,7 @@ def _site_module(prepared: Prepared) -> str | None:
     return None
 
 
-def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, renamer: _Renamer, old_path: str,
+def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module, renamer: Renamer, old_path: str,
           new_path: str) -> InstrumentedGraphModule:
     part = _part_over(model, prepared)  # the instance's own prepared graph, its nodes
     renamer.seed(source, part)  # named and read as the passes would have seen them
@@ -345,7 +194,7 @@ def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module,
         if new is None:
             name = renamer.text(node.name)
             target = renamer.text(node.target) if isinstance(node.target, str) else node.target
-            args, kwargs = renamer.value(node.args), renamer.value(node.kwargs)
+            args, kwargs = renamer.planned(node.args), renamer.planned(node.kwargs)
             where = graph.inserting_before(next(iter(graph.nodes))) if cursor is None else graph.inserting_after(cursor)
             with where:
                 new = graph.create_node(node.op, target, args, kwargs, name, node.type)
@@ -357,18 +206,18 @@ def _copy(source: InstrumentedGraphModule, prepared: Prepared, model: nn.Module,
     for node, new in made:  # every node made first: metadata and probes may name any of them
         meta = node.meta.get(KEY)
         if meta is not None:
-            new.meta[KEY] = renamer.value(meta)
+            new.meta[KEY] = renamer.planned(meta)
     renamer.seed(old_space, new_space)
     for name, child in old_space._modules.items():
         if name == "constants":
             renamer.seed(child, new_space._modules["constants"])
         else:
-            new_space._modules[renamer.text(name)] = renamer.value(child)
-    part.meta.update({k: renamer.value(v) for k, v in source.meta.items()})
+            new_space._modules[renamer.text(name)] = renamer.planned(child)
+    part.meta.update({k: renamer.planned(v) for k, v in source.meta.items()})
     return part
 
 
-def _matched(source: InstrumentedGraphModule, graph: Graph, renamer: _Renamer) -> dict[Node, Node]:
+def _matched(source: InstrumentedGraphModule, graph: Graph, renamer: Renamer) -> dict[Node, Node]:
     """The template's nodes of its own instance -> the copy's prepared ones, in order, each with the copy's name, op
     and inputs; and no name the passes added that the copy's graph already has (FX would rename it)."""
     originals = list(graph.nodes)
@@ -394,7 +243,7 @@ def _matched(source: InstrumentedGraphModule, graph: Graph, renamer: _Renamer) -
     return out
 
 
-def _pair_modules(model: nn.Module, old_path: str, new_path: str, renamer: _Renamer) -> None:
+def _pair_modules(model: nn.Module, old_path: str, new_path: str, renamer: Renamer) -> None:
     """The template instance's submodules, parameters and buffers mapped to the copy's, by position (a region's
     instances have one structure: the group key compares it)."""
     try:
