@@ -5,12 +5,19 @@ Not a test: figures for docs/distributed.md.
     python3 tools/bench_distributed.py                    # 4 gloo CPU processes, ~4,000 nodes
     python3 tools/bench_distributed.py --nodes 8000 --world 4
     python3 tools/bench_distributed.py --simulate         # no processes: the merge of 4 copies of one rank's data
+    python3 tools/bench_distributed.py --ddp 700          # issue 33: DDP of a 700-layer chain, 3 steps, the merge
 
 Each rank instruments the same chain of ``Linear -> ReLU`` cells with ``NaNCheck`` and ``StatCollector``,
 runs two forward calls, then times (CPU seconds of that process, ``time.process_time``) the parts of
 ``report(all_ranks=True)``: the local report, the per-channel maxima (one host copy of each state table),
 the barrier + single ``all_gather_object``, and the merge of the gathered rows. The whole call is timed
 as well. Every rank prints one line; rank 0 prints the table.
+
+``--ddp N``: each rank wraps a chain of ``N`` leaf layers (``Linear(16, 16)`` / ``ReLU`` alternating, as
+``tools/bench_scale.py``'s ``chain-N``) in ``DistributedDataParallel``, instruments it with the default frontend,
+runs 3 training steps (SGD) and ``report(all_ranks=True)``; each rank's wall and CPU seconds of each phase, and the
+wall time of the whole run from the parent (process start and imports included). Issue 33's bar: <= 60 s at 700
+layers, 4 ranks, gloo, on this 2-core machine.
 """
 
 from __future__ import annotations
@@ -97,7 +104,39 @@ def rank_main(nodes: int, repeat: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
-def spawn(nodes: int, world: int, repeat: int) -> list[dict]:
+def ddp_main(layers: int, steps: int, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(16, 16) if i % 2 == 0 else nn.ReLU()
+                                                    for i in range(layers)]))
+    x = torch.randn(2, 16)
+    figures: dict[str, tuple[float, float]] = {}
+    dist.barrier()
+    dbg, c, w = cpu(fxdebug.instrument, model, [NaNCheck(), StatCollector()], (x,))
+    figures["instrument"] = (c, w)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train() -> None:
+        for _ in range(steps):
+            opt.zero_grad()
+            dbg(x).square().mean().backward()
+            opt.step()
+
+    _, c, w = cpu(train)
+    figures["steps"] = (c, w)
+    merged, c, w = cpu(dbg.report, True)
+    figures["report_all_ranks"] = (c, w)
+    (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "rows": len(merged.rows), "figures": figures,
+                                                      "frontend": dbg.trace_info.frontend}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn(nodes: int, world: int, repeat: int, ddp: int = 0) -> list[dict]:
     import tempfile
 
     with socket.socket() as s:
@@ -107,7 +146,8 @@ def spawn(nodes: int, world: int, repeat: int) -> list[dict]:
         env = {**os.environ, "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         procs = [subprocess.Popen([sys.executable, __file__, "--rank-worker", "--nodes", str(nodes), "--repeat",
-                                   str(repeat), "--out", tmp], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+                                   str(repeat), "--ddp", str(ddp), "--out", tmp],
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
                  for r in range(world)]
         try:
             codes = [p.wait(timeout=1800) for p in procs]
@@ -142,12 +182,28 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--simulate", action="store_true")
+    ap.add_argument("--ddp", type=int, default=0, metavar="LAYERS", help="DDP of a chain of LAYERS leaf layers")
     ap.add_argument("--rank-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.rank_worker:
-        rank_main(args.nodes, args.repeat, args.out)
+        if args.ddp:
+            ddp_main(args.ddp, 3, args.out)
+        else:
+            rank_main(args.nodes, args.repeat, args.out)
+        return
+    if args.ddp:
+        start = time.perf_counter()
+        results = spawn(0, args.world, 0, args.ddp)
+        total = time.perf_counter() - start
+        print(f"DDP of a {args.ddp}-layer chain, {args.world} gloo CPU processes: instrument() + 3 steps + "
+              f"report(all_ranks=True); {total:.1f} s wall from spawn to the last rank's exit")
+        print("rank  frontend  rows  instrument CPU (wall)  3 steps CPU (wall)  report(all_ranks) CPU (wall)")
+        for r in results:
+            f = r["figures"]
+            cells = "  ".join(f"{f[k][0]:7.2f} ({f[k][1]:6.2f})" for k in ("instrument", "steps", "report_all_ranks"))
+            print(f"{r['rank']:4d}  {r['frontend']:>8s}  {r['rows']:4d}  {cells}")
         return
     if args.simulate:
         simulate(args.nodes, args.world, args.repeat)

@@ -225,11 +225,17 @@ class Prepared:
     constants: dict[str, Any]
 
 
-def _resolve(model: Any, path: str, attr: str, kind: str) -> Any:
-    try:
-        owner = model.get_submodule(path) if path else model
-    except AttributeError:
-        return None
+def _resolve(model: Any, path: str, attr: str, kind: str, owners: dict[str, Any] | None = None) -> Any:
+    """The model's parameter or buffer ``attr`` of the module at ``path`` (``None`` if there is none); ``owners``
+    caches the modules looked up (a block's parameters share a few owners; each look-up walks the path)."""
+    owner = None if owners is None else owners.get(path)
+    if owner is None:
+        try:
+            owner = model.get_submodule(path) if path else model
+        except AttributeError:
+            return None
+        if owners is not None:
+            owners[path] = owner
     table = owner._parameters if kind == "parameter" else owner._buffers
     return table.get(attr)
 
@@ -303,6 +309,7 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
     shift = 1 if any(_SELF_IN_ARGS.match(src) for src in sources) else 0
     index = -1
     owners: dict[int, tuple[str, str, str]] = {}  # id(tensor) -> the model's (path, attr, kind), built when needed
+    found: dict[str, Any] = {}  # module path -> the module there, looked up once per graph
     aliases: dict[str, str] = {}  # a local that holds one of the model's modules (``L['___stack0']``) -> its path
 
     def arg(a: Any) -> Any:
@@ -316,9 +323,9 @@ def prepare(graph: _Graph, namer: NodeNamer, args: tuple[Any, ...], model: Any, 
             state = state_name(source)
             if state is not None and scope:  # a submodule's frame: its self is the module at the site
                 nested = (_join(scope, state[0]), state[1], state[2])
-                if index < len(args) and _resolve(model, *nested) is args[index]:
+                if index < len(args) and _resolve(model, *nested, found) is args[index]:
                     state = nested
-            value = _resolve(model, *state) if state is not None else None
+            value = _resolve(model, *state, found) if state is not None else None
             if state is not None and index < len(args) and value is not args[index]:
                 state = _owned(model, owners, source, args[index], aliases)  # read through another local
                 value = args[index] if state is not None else None
