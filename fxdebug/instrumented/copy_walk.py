@@ -49,7 +49,7 @@ class _Recipe:
     """How one container of the template becomes the copy's: ``fixes`` are ``(slot, what)`` for the slots that
     change (a key's position for a mapping's keys), the others keep the template's value."""
 
-    shape: str  # "list", "map", "tuple", "fields", "frozen", "object", "observer"
+    shape: str  # "list", "map", "tuple", "fields", "immutable", "object", "observer"
     kind: type
     values: tuple[Any, ...]  # the template's values it was made from (held: their ids stay theirs)
     ids: tuple[int, ...]
@@ -154,7 +154,7 @@ class Renamer:
         if tuple(map(id, state.values())) != r.ids or tuple(state) != r.keys:
             return self.value(x)
         new: Any = object.__new__(kind)
-        if shape != "frozen":
+        if shape != "immutable":
             self.seed(x, new)  # before its fields: they may lead back to it
         fields = dict(state)
         for k, what in r.fixes:
@@ -209,7 +209,7 @@ class Renamer:
                 self.same[id(x)] = x
                 return x, _KEEP
             new.__dict__.update({k: p[0] for k, p in fields.items()})
-            shape = "observer" if how is _OBSERVER else "frozen" if how is _FROZEN else "object"
+            shape = "observer" if how is _OBSERVER else "immutable" if how is _FROZEN else "object"
             recipe = _Recipe(shape, kind, tuple(state.values()), tuple(map(id, state.values())),
                              _fixes((k, p[1]) for k, p in fields.items()), keys=tuple(state))
             return new, recipe
