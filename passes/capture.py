@@ -16,7 +16,7 @@ into the node's output; then they are cloned so they keep what the node produced
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from torch import Tensor
 from torch.fx import GraphModule, Node
@@ -75,14 +75,18 @@ class Capture(Pass):
         self.grads = opts.flag("grads", grads)
         self.clone = None if clone is None else opts.flag("clone", clone)
         self._observers: dict[str, tuple[str, Observer]] = {}
+        self._graphs: dict[str, Any] = {}  # the graph each was found in (a live capture: one of several)
 
     def run(self, gm: GraphModule, ctx: PassContext) -> PassResult:
-        own = ctx.nodes(gm, tensor_outputs=True, ops=("placeholder", "call_module", "call_function", "call_method"))
+        own = ctx.nodes(gm, tensor_outputs=True, ops=_OPS)
         added: list[Node | None] = []
-        self._observers = {}
+        if not ctx.partial:
+            self._observers, self._graphs = {}, {}
         for request in self.nodes:
             hits = _select(own, request)
             if not hits:
+                if ctx.partial:
+                    continue  # one of a live capture's graphs: the request may be in another (check_capture)
                 known = ", ".join(n.name for n in own[:12])
                 raise UsageError(f"Capture: {request!r} matches no tensor-valued node or module; nodes include {known}.")
             for node in hits:
@@ -90,7 +94,20 @@ class Capture(Pass):
                 added.append(ctx.observe(node, CaptureProbe(grads=self.grads, clone=clone)))
                 key = node.name if any(c in request for c in "*?[") else request
                 self._observers[key] = (node.name, _observer_of(gm, node))
+                self._graphs[key] = gm.graph
         return PassResult(gm, added=added)
+
+    def check_capture(self, parts: Mapping[str, GraphModule]) -> None:
+        """Every request matched a node of some graph of the live capture; what the others held is forgotten."""
+        graphs = {id(part.graph) for part in parts.values()}
+        held = {name: found for name, found in self._observers.items() if id(self._graphs.get(name)) in graphs}
+        self._observers = held  # (a capture taken again: the graphs it replaced are gone)
+        self._graphs = {k: v for k, v in self._graphs.items() if k in held}
+        missing = [r for r in self.nodes if r != "*" and not any(_matches(r, key) for key in held)]
+        if missing:
+            names = [n.name for part in parts.values() for n in part.graph.nodes if n.op in _OPS]
+            raise UsageError(f"Capture: {missing[0]!r} matches no tensor-valued node or module in any of the capture's "
+                             f"{len(parts)} graph(s); nodes include {', '.join(names[:12])}.")
 
     # -- reading --------------------------------------------------------------------------------
     def _get(self, name: str, phase: str) -> Tensor | None:
@@ -120,6 +137,14 @@ class Capture(Pass):
             raise UsageError("Capture.gradients: this Capture records activations only; build it with "
                              "Capture([...], grads=True) to keep gradients, then run a backward.")
         return {k: self.grad(k) for k in self._observers}
+
+
+_OPS = ("placeholder", "call_module", "call_function", "call_method")
+
+
+def _matches(request: str, key: str) -> bool:
+    """Whether the observer kept under ``key`` (the request itself, or a node name for a glob) answers ``request``."""
+    return key == request or (any(c in request for c in "*?[") and fnmatch.fnmatchcase(key, request))
 
 
 def _select(nodes: list[Node], request: str) -> list[Node]:

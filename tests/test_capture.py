@@ -102,3 +102,34 @@ def test_where_limits_the_nodes_a_capture_may_match():
     torch.testing.assert_close(everything_in_layer1[layer1[-1]], model.layer1(model.stem(x)))
     with pytest.raises(fxdebug.UsageError, match="where="):
         Capture()
+
+
+class _Broken(torch.nn.Module):
+    """Two linears with a graph break between them: the live capture hands over two graphs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_named_requests_over_a_live_capture_of_several_graphs():
+    # each graph ran the pass on its own and raised for the request that is in the other one ('b' is not in the
+    # first graph): every live capture with a graph break (or regional blocks) refused Capture by name
+    torch.manual_seed(0)
+    model, x = _Broken(), torch.randn(2, 4)
+    cap = Capture(["a", "b", "relu*"], grads=True)
+    dbg = fxdebug.instrument(model, [cap], example_inputs=(x,), frontend="dynamo")
+    assert len(dbg.parts()) == 2
+    dbg(x).sum().backward()
+    hidden = torch.relu(model.a(x))
+    assert torch.equal(cap["a"], model.a(x)) and torch.equal(cap["relu"], hidden)
+    assert torch.equal(cap["b"], model.b(hidden))
+    assert torch.equal(cap.grad("b"), torch.ones(2, 3))
+    with pytest.raises(fxdebug.UsageError, match="'nope' matches no tensor-valued node or module in any of the "
+                                                 "capture's 2 graph"):
+        fxdebug.instrument(_Broken(), [Capture(["a", "nope"])], example_inputs=(x,), frontend="dynamo")

@@ -77,3 +77,26 @@ def test_a_live_module_gives_its_captured_graph():
 def test_rejects_non_graph_modules():
     with pytest.raises(fxdebug.UsageError, match="GraphModule"):
         fxdebug.to_networkx(torch.nn.Linear(2, 2))
+
+
+def test_a_live_module_with_a_graph_break_gives_every_graph():
+    # it gave the largest captured graph only: the nodes after a graph break (or in other block regions) were missing
+    class Broken(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x).relu()
+            torch._dynamo.graph_break()
+            return self.b(x).tanh()
+
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(Broken(), [StatCollector()], example_inputs=(x,), frontend="dynamo")
+    dbg(x)
+    assert len(dbg.parts()) == 2
+    g = fxdebug.to_networkx(dbg)
+    rows = {r["node"] for r in dbg.report().rows}
+    assert rows <= set(g.nodes) and {"a", "b"} <= rows
+    assert g.nodes["b"]["stats"]["mean"] == dbg.report()["b"]["mean"]
+    assert list(g.successors("b")) and list(g.successors("a")) and nx.is_directed_acyclic_graph(g)

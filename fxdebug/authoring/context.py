@@ -57,6 +57,9 @@ class PassContext:
             ``SwapActivation(only_dead=...)`` that act on what was observed.
         instruments: objects with optional ``before_pass(pass_, gm)`` / ``after_pass(pass_, gm,
             result)`` methods — the place for dumping, timing and printing, not pass bodies.
+        partial: the graph is one of several a capture hands over one at a time (a live capture: one per
+            frame, graph break and block region), so a request by name that matches nothing in it may match in
+            another; such a pass says so once every graph ran it (``Pass.check_capture``), not per graph.
     """
 
     def __init__(
@@ -65,8 +68,10 @@ class PassContext:
         *,
         prior_report: Any = None,
         instruments: Iterable[Any] = (),
+        partial: bool = False,
     ) -> None:
         self.example_inputs = example_inputs
+        self.partial = partial
         self.inputs = normalize_inputs(example_inputs)
         self.prior_report = prior_report
         self.instruments = list(instruments)

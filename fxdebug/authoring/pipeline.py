@@ -13,7 +13,7 @@ import gc
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from torch.fx import GraphModule, Node
 
@@ -100,6 +100,11 @@ class Pass:
         """``copy`` was made from ``source`` for another instance of a block (``shares_instances``): a pass that
         keeps state of its own about the graphs it ran on (expectations by node name) records the copy's here;
         ``renamed`` maps each of ``source``'s identities (node names, module and parameter paths) to the copy's."""
+
+    def check_capture(self, parts: Mapping[str, GraphModule]) -> None:
+        """Called once the graphs a live capture took at ``instrument()`` have all run the pass (they arrive one at
+        a time: ``PassContext.partial``). A pass that asks for nodes by name raises its ``UsageError`` here for a
+        request no graph matched; ``parts`` are the capture's graphs (``Instrumented.parts()``)."""
 
     def rewrite(self, gm: GraphModule, ctx: PassContext, rule: Callable[[Node, PassContext], Node | None], *,
                 predicate: Callable[[Node], bool] | None = None) -> dict[str, str]:

@@ -26,15 +26,16 @@ __all__ = ["run_part"]
 
 
 def run_part(part: GraphModule, passes: Sequence[Pass], inputs: Any, prior: Report | None = None, *,
-             relearn: bool | None = None) -> Any:
+             relearn: bool | None = None, partial: bool = False) -> Any:
     """``passes`` over one captured graph ``part``, on ``inputs`` (what that part is called with; ``None``: no
-    shapes are learnt). ``relearn``: learn the shapes again after the passes (default: when a pass transforms).
+    shapes are learnt). ``relearn``: learn the shapes again after the passes (default: when a pass transforms);
+    ``partial``: the part is one of a live capture's graphs (``PassContext.partial``).
     Returns the new part (what the last pass returned), observers lowered."""
     pass_list = list(passes)
     if relearn is None:
         relearn = any(not p.observe_only for p in pass_list)
     with paused_gc():
-        ctx = PassContext(inputs, prior_report=prior)
+        ctx = PassContext(inputs, prior_report=prior, partial=partial)
         if ctx.inputs is not None:
             ctx.specs(part)
         manager = PassManager(pass_list)

@@ -287,7 +287,7 @@ class LiveInstrumented(Instrumented):
             part.meta[KEY] = GraphRecord(trace=info, model_type=type(model).__name__)
             inputs = Inputs(*[args[i] for i in prepared.keep])
             try:
-                part = run_part(part, state.passes, inputs, state.prior)
+                part = run_part(part, state.passes, inputs, state.prior, partial=True)
             except FxDebugError as exc:
                 exc.__dict__[_WHILE_INSTRUMENTING] = True
                 raise
@@ -386,6 +386,9 @@ class LiveInstrumented(Instrumented):
             rep = found.part._part_report()
             _global_calls(rep, found.calls)
             reports.append((rep, found.part))
+        observed = [r for r in reports if any("calls" in row for row in r[0].rows)]
+        if observed:  # a graph no pass observed (outside ``where=``) lists its nodes only in a report of none observed
+            reports = observed
         one = merge_captures(reports, state.calls)
         merged = merge_reports({"": one}, frontend="dynamo", notes=self._summary_notes())
         merged.calls = state.calls

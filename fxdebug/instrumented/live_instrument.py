@@ -103,7 +103,10 @@ def _capture_examples(gm: LiveInstrumented, model: nn.Module, passes: list[Pass]
     finally:
         gm._live_state.capturing_examples = False
     gm.reset()
-    check_where_matched(passes, gm.parts(), prefixed=False)
+    parts = gm.parts()
+    check_where_matched(passes, parts, prefixed=False)
+    for p in passes:
+        p.check_capture(parts)
 
 
 def _example_variants(passes: list[Pass]) -> list[Any]:

@@ -31,7 +31,9 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
 
     ``report`` defaults to ``gm.report()`` for an instrumented module with observers;
     ``instrumentation=True`` keeps fxdebug's observer nodes as nodes of their own. A live (Dynamo)
-    module gives its largest captured graph, as ``render()`` draws it, with the report over every capture.
+    module gives every graph it captured (one per frame, graph break and block region, in call order; a
+    recompile's nodes are the first capture's, by name), with the report over every capture: each graph's inputs
+    are nodes of their own (``placeholder``), not linked to the graph that made them.
     """
     try:
         import networkx as nx
@@ -46,18 +48,23 @@ def to_networkx(gm: GraphModule, report: Any = None, *, instrumentation: bool = 
         if not parts:
             raise UsageError("to_networkx(): nothing captured yet: call the module once (or instrument it with "
                              "example_inputs) first.")
-        gm = max(parts, key=lambda p: len(p.graph.nodes))
-    view = build_view(gm, report, show_instrumentation=instrumentation)
-    graph = nx.DiGraph(model_type=view.model_type, first_nonfinite=view.first_nonfinite,
-                       first_nonfinite_grad=view.first_nonfinite_grad)
-    for v in view.nodes.values():
-        graph.add_node(
-            v.name, op=v.kind, target=v.target, label=v.label, module=v.module, module_type=v.module_type,
-            shape=v.shape, dtype=v.dtype, device=v.device, stats=dict(v.stats), probes=list(v.probes),
-            added_by=v.added_by, changed_by=list(v.changed_by), auto_leaf=v.auto_leaf, failed=v.failed,
-            role=v.role, origin=v.origin or v.grad_origin,
-        )
-    for v in view.nodes.values():
-        for src in v.inputs:
-            graph.add_edge(src, v.name, shape=view.nodes[src].shape)
+    else:
+        parts = [gm]
+    views = [build_view(part, report, show_instrumentation=instrumentation) for part in parts]
+    first = views[0]
+    graph = nx.DiGraph(model_type=first.model_type, first_nonfinite=first.first_nonfinite,
+                       first_nonfinite_grad=first.first_nonfinite_grad)
+    for view in views:
+        for v in view.nodes.values():
+            if v.name in graph:
+                continue  # a recompile of a frame: the same node as the first capture's
+            graph.add_node(
+                v.name, op=v.kind, target=v.target, label=v.label, module=v.module, module_type=v.module_type,
+                shape=v.shape, dtype=v.dtype, device=v.device, stats=dict(v.stats), probes=list(v.probes),
+                added_by=v.added_by, changed_by=list(v.changed_by), auto_leaf=v.auto_leaf, failed=v.failed,
+                role=v.role, origin=v.origin or v.grad_origin,
+            )
+        for v in view.nodes.values():
+            for src in v.inputs:
+                graph.add_edge(src, v.name, shape=view.nodes[src].shape)
     return graph
