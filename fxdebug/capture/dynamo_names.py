@@ -22,6 +22,7 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.node import map_arg
 
 from fxdebug.graph.meta import _clean_export_path, fx_meta
+from fxdebug.graph.module_sharing import submodule
 
 __all__ = ["NodeNamer", "Prepared", "clean_path", "prepare", "state_name"]
 
@@ -231,7 +232,7 @@ def _resolve(model: Any, path: str, attr: str, kind: str, owners: dict[str, Any]
     owner = None if owners is None else owners.get(path)
     if owner is None:
         try:
-            owner = model.get_submodule(path) if path else model
+            owner = submodule(model, path)
         except AttributeError:
             return None
         if owners is not None:

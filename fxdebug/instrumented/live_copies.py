@@ -41,6 +41,7 @@ from fxdebug.authoring.pipeline import Pass
 from fxdebug.capture.dynamo import Prepared
 from fxdebug.capture.dynamo_regions import REGION_NAME
 from fxdebug.graph.meta import KEY, graph_record
+from fxdebug.graph.module_sharing import submodule
 from fxdebug.instrumented.copy_walk import Renamer
 from fxdebug.instrumented.live_parts import _Part, _part_over, _runner
 from fxdebug.instrumented.module import InstrumentedGraphModule
@@ -247,7 +248,7 @@ def _pair_modules(model: nn.Module, old_path: str, new_path: str, renamer: Renam
     """The template instance's submodules, parameters and buffers mapped to the copy's, by position (a region's
     instances have one structure: the group key compares it)."""
     try:
-        old, new = model.get_submodule(old_path), model.get_submodule(new_path)
+        old, new = submodule(model, old_path), submodule(model, new_path)
     except AttributeError as exc:
         raise _Uncopyable(str(exc)) from None
     a, b = list(old.named_modules(remove_duplicate=False)), list(new.named_modules(remove_duplicate=False))
