@@ -1,6 +1,6 @@
 """The walk that makes a block's copy: the template's objects rebuilt with the copy's identities (``live_copies``).
 
-``Renamer.value(x)`` maps one of the template's values to the copy's: a string by the identity table (a name the
+``Renamer.planned(x)`` maps one of the template's values to the copy's: a string by the identity table (a name the
 passes derived from a node's, ``obs_<node>``, renamed by the node's; prose never), the template instance's modules,
 parameters and nodes to the copy's (seeded by position before the walk), fxdebug's observers and clock fresh, the
 objects of fxdebug and of the passes (probes, ShapeAssert's guard) copied field by field, and immutable values that
@@ -98,7 +98,7 @@ class Renamer:
     # -- the recorded walk: what a top-level value of the template becomes, by its recipe once there is one --
 
     def planned(self, x: Any) -> Any:
-        """``value(x)`` for a top-level value of the template (a node's metadata, an observer): by the recipe the
+        """The copy's value for a top-level value of the template (a node's metadata, an observer): by the recipe the
         first copy recorded, else walked (and recorded)."""
         hit = self.memo.get(id(x))
         if hit is not None:
@@ -120,14 +120,14 @@ class Renamer:
         if what is _TEXT:
             return self.text(x)
         if what is _WALK:
-            return self.value(x)
+            return self._record(x)[0]
         return self._build(x, what)
 
     def _build(self, x: Any, r: _Recipe) -> Any:
         shape, kind = r.shape, r.kind
         if shape == "list" or shape == "tuple" or shape == "fields":
             if tuple(map(id, x)) != r.ids:
-                return self.value(x)  # changed since the recipe: walked afresh
+                return self._record(x)[0]  # changed since the recipe: walked afresh
             items = list(x)
             for i, what in r.fixes:
                 items[i] = self._apply(items[i], what)
@@ -136,7 +136,7 @@ class Renamer:
             return items if kind is list else kind(items)
         if shape == "map":
             if tuple(map(id, x.values())) != r.ids or tuple(x) != r.keys:
-                return self.value(x)
+                return self._record(x)[0]
             if r.key_fixes:
                 keys, vals = list(x), list(x.values())
                 for i, what in r.key_fixes:
@@ -152,7 +152,7 @@ class Renamer:
         if shape == "observer":
             state = {k: v for k, v in state.items() if k not in _UNCOUNTED}
         if tuple(map(id, state.values())) != r.ids or tuple(state) != r.keys:
-            return self.value(x)
+            return self._record(x)[0]
         new: Any = object.__new__(kind)
         if shape != "immutable":
             self.seed(x, new)  # before its fields: they may lead back to it
@@ -163,7 +163,7 @@ class Renamer:
         return new
 
     def _record(self, x: Any) -> tuple[Any, Any]:
-        """``(value(x), what a later copy does with x)``."""
+        """``(the copy's value for x, what a later copy does with x)``: the walk itself, which records as it goes."""
         kind = type(x)
         if kind is str:
             if x in self.names:
@@ -213,9 +213,16 @@ class Renamer:
             recipe = _Recipe(shape, kind, tuple(state.values()), tuple(map(id, state.values())),
                              _fixes((k, p[1]) for k, p in fields.items()), keys=tuple(state))
             return new, recipe
-        return self.value(x), _WALK  # a set, a frozenset, a clock: walked by every copy
-
-    # -- the plain walk --
+        if how is _CLOCK:  # the same rows, a table of its own (made at its first call, on its input's device)
+            clock = kind()
+            clock.training, clock.rows, clock.spans = x.training, x.rows, list(x.spans)
+            self.seed(x, clock)
+            return clock, _WALK
+        items = [self._record(v)[0] for v in x]  # a set or a frozenset: no order to fix slots by, walked by every copy
+        if how is _FROZEN and all(a is b for a, b in zip(items, x)):
+            self.same[id(x)] = x
+            return x, _KEEP
+        return kind(items), _WALK
 
     def _how(self, kind: type) -> int:
         how = self.how.get(kind)
@@ -223,86 +230,13 @@ class Renamer:
             how = self.how[kind] = _how(kind, self.modules)
         return how
 
-    def value(self, x: Any) -> Any:
-        # the hot loop of a copy (some 450 values a block): strings and atoms answered without a further call
-        kind = type(x)
-        if kind is str:
-            hit = self.names.get(x)
-            return hit if hit is not None else x if x in self.inert else self.text(x)
-        how = self._how(kind)
-        if how is _ATOM:
-            return x
-        hit = self.memo.get(id(x))
-        if hit is not None:
-            return hit
-        if how is _FROZEN:  # immutable: itself when nothing inside is renamed (known by id the next time)
-            if id(x) in self.same:
-                return x
-            if kind is tuple or kind is frozenset:
-                items = self.items(x)
-                changed = any(a is not b for a, b in zip(items, x))
-                out = kind(items) if changed else x
-            else:
-                state = x.__dict__
-                fields = dict(zip(state, self.items(state.values())))
-                changed = any(v is not state[k] for k, v in fields.items())
-                out = x
-                if changed:
-                    out = object.__new__(kind)
-                    out.__dict__.update(fields)
-            if not changed:
-                self.same[id(x)] = x
-            return out
-        if how is _SEQUENCE:
-            return kind(self.items(x))
-        if how is _MAPPING:
-            return kind(zip(self.items(x.keys()), self.items(x.values())))
-        if how is _FIELDS:
-            return kind(*self.items(x))
-        if how is _CLOCK:  # the same rows, a table of its own (made at its first call, on its input's device)
-            clock = type(x)()
-            clock.training, clock.rows, clock.spans = x.training, x.rows, list(x.spans)
-            self.seed(x, clock)
-            return clock
-        if how is _OBSERVER:
-            return self._observer(x)
-        if how is _OBJECT:
-            new = object.__new__(kind)
-            self.seed(x, new)
-            state = x.__dict__
-            new.__dict__.update(zip(state, self.items(state.values())))
-            return new
-        return x  # _SHARED: the model's modules outside the instance (unless paired), passes, nodes of other graphs
-
-    def items(self, xs: Any) -> list[Any]:
-        """``[self.value(x) for x in xs]``, with the strings and atoms among them answered in place."""
-        names, inert, how, value = self.names, self.inert, self.how, self.value
-        out = []
-        for x in xs:
-            kind = type(x)
-            if kind is str:
-                hit = names.get(x)
-                out.append(hit if hit is not None else x if x in inert else self.text(x))
-            elif how.get(kind) is _ATOM:
-                out.append(x)
-            else:
-                out.append(value(x))
-        return out
-
-    def _observer(self, obs: Observer) -> Observer:
-        new = object.__new__(type(obs))
-        self.seed(obs, new)
-        state = {k: v for k, v in obs.__dict__.items() if k not in _UNCOUNTED}
-        new.__dict__.update(zip(state, self.items(state.values())))  # statistics start empty: the copy's own rows
-        return new
-
 
 def _fixes(slots: Any) -> list[tuple[Any, Any]]:
     return [(slot, what) for slot, what in slots if what is not _KEEP]
 
 
 def _how(kind: type, modules: tuple[str, ...]) -> int:
-    """How ``Renamer.value`` treats a value of this type (decided once per type; by class, not by pass)."""
+    """How ``Renamer`` treats a value of this type (decided once per type; by class, not by pass)."""
     if issubclass(kind, torch.Tensor):
         return _SHARED  # a tensor: the instance's own parameters are paired by identity (memo) before this
     if issubclass(kind, tuple) and hasattr(kind, "_fields"):
