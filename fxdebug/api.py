@@ -309,7 +309,7 @@ class Regional(str):
     """The note of an ``"auto"`` choice of the live capture with regional capture on (``LiveState.regional``)."""
 
 
-def _regional_note(model: nn.Module) -> Regional | None:
+def _regional_note(model: nn.Module, asked: str = "auto") -> Regional | None:
     """Above ``LIVE_MODULE_LIMIT`` modules, the live capture when the model's repeated blocks hold at least half of
     its modules: each block is a region traced once and its instances are copies (``live_regions``,
     ``live_copies``), so the capture costs about one block per structure, not Dynamo's trace of every module."""
@@ -321,10 +321,12 @@ def _regional_note(model: nn.Module) -> Regional | None:
     inside, total = covered(model, regions)
     if 2 * inside < total:
         return None
-    return Regional(f"auto: the live Dynamo capture with regional capture: more than {LIVE_MODULE_LIMIT} modules, "
+    lead = "auto: the live Dynamo capture" if asked == "auto" else "dynamo: the live capture"
+    inlined = "" if asked == "auto" else "FXDEBUG_REGIONS=0 captures every block inlined; "
+    return Regional(f"{lead} with regional capture: more than {LIVE_MODULE_LIMIT} modules, "
                     f"{inside} of {total} of them inside {regions.blocks} repeated block(s), each block's structure "
                     "traced once and its instances instrumented as copies of the first (each keeps its own rows); "
-                    "frontend='symbolic' / 'export' takes a snapshot instead")
+                    f"{inlined}frontend='symbolic' / 'export' takes a snapshot instead")
 
 
 def _deep_dynamo(model: nn.Module, why: str) -> str:
@@ -334,12 +336,8 @@ def _deep_dynamo(model: nn.Module, why: str) -> str:
     inner, _ = unwrap_parallel(model)
     if sum(1 for _ in itertools.islice(inner.modules(), LIVE_MODULE_LIMIT + 1)) <= LIVE_MODULE_LIMIT:
         return why
-    note = _regional_note(inner)
-    if note is None:
-        return why
-    return Regional(note.replace("auto: the live Dynamo capture with", "dynamo: the live capture with", 1)
-                    .replace("frontend='symbolic' / 'export'", "FXDEBUG_REGIONS=0 captures every block inlined; "
-                             "frontend='symbolic' / 'export'", 1))
+    note = _regional_note(inner, "dynamo")
+    return why if note is None else note
 
 
 def live_capture(p: Pass) -> bool:

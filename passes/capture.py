@@ -24,7 +24,7 @@ from torch.fx import GraphModule, Node
 from fxdebug import UsageError
 from fxdebug.authoring import (
     ObservationContext, Observer, Options, Pass, PassContext, PassResult, Probe, Reductions, Where, is_inplace,
-    module_path, node_meta,
+    is_instrumentation, module_path, node_meta,
 )
 
 __all__ = ["Capture"]
@@ -105,7 +105,8 @@ class Capture(Pass):
         self._graphs = {k: v for k, v in self._graphs.items() if k in held}
         missing = [r for r in self.nodes if r != "*" and not any(_matches(r, key) for key in held)]
         if missing:
-            names = [n.name for part in parts.values() for n in part.graph.nodes if n.op in _OPS]
+            names = [n.name for part in parts.values() for n in part.graph.nodes
+                     if n.op in _OPS and not is_instrumentation(n)]
             raise UsageError(f"Capture: {missing[0]!r} matches no tensor-valued node or module in any of the capture's "
                              f"{len(parts)} graph(s); nodes include {', '.join(names[:12])}.")
 

@@ -16,6 +16,7 @@ from torch import nn
 
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
+from zoo import GraphBreakPair
 
 FRONTEND: dict = {"frontend": "dynamo"}
 
@@ -300,20 +301,10 @@ def test_a_graph_no_pass_observes_adds_no_rows_beside_observed_ones():
     # with where= selecting nodes of one graph, the other graphs (after a graph break, other block regions) listed
     # every node as a row of None: a report of 'layer1.0' rows only held the whole model's
 
-    class Broken(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = self.a(x).relu()
-            torch._dynamo.graph_break()
-            return self.b(x).tanh()
-
     x = torch.randn(2, 4)
-    dbg = fxdebug.instrument(Broken(), [StatCollector(where="b")], example_inputs=(x,), frontend="dynamo")
+    dbg = fxdebug.instrument(GraphBreakPair(), [StatCollector(where="b")], example_inputs=(x,), frontend="dynamo")
     dbg(x)
     assert len(dbg.parts()) == 2
     assert [r["module"] for r in dbg.report().rows] == ["b"] and dbg.report().rows[0]["calls"] == 1
-    plain = fxdebug.instrument(Broken(), [], example_inputs=(x,), frontend="dynamo")
+    plain = fxdebug.instrument(GraphBreakPair(), [], example_inputs=(x,), frontend="dynamo")
     assert {"a", "b"} <= {r["module"] for r in plain.report().rows}  # nothing observed: the nodes are listed

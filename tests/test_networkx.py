@@ -8,7 +8,7 @@ import torch
 
 import fxdebug
 from fxdebug.passes import NaNCheck, StatCollector
-from zoo import ZOO
+from zoo import ZOO, GraphBreakPair
 
 
 def test_structure_matches_the_fx_graph():
@@ -81,18 +81,8 @@ def test_rejects_non_graph_modules():
 
 def test_a_live_module_with_a_graph_break_gives_every_graph():
     # it gave the largest captured graph only: the nodes after a graph break (or in other block regions) were missing
-    class Broken(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            x = self.a(x).relu()
-            torch._dynamo.graph_break()
-            return self.b(x).tanh()
-
     x = torch.randn(2, 4)
-    dbg = fxdebug.instrument(Broken(), [StatCollector()], example_inputs=(x,), frontend="dynamo")
+    dbg = fxdebug.instrument(GraphBreakPair(), [StatCollector()], example_inputs=(x,), frontend="dynamo")
     dbg(x)
     assert len(dbg.parts()) == 2
     g = fxdebug.to_networkx(dbg)

@@ -239,6 +239,19 @@ class MnistMismatch(nn.Module):
         return self.fc1(x)
 
 
+class GraphBreakPair(nn.Module):
+    """Two linears with a graph break between them: a live capture hands over two graphs (not in ``ZOO``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(x).tanh()
+
+
 def _seeded(factory: Callable[[], tuple[nn.Module, tuple]]) -> Callable[[], tuple[nn.Module, tuple]]:
     def make() -> tuple[nn.Module, tuple]:
         g = torch.random.fork_rng()
