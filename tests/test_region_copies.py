@@ -398,3 +398,39 @@ def test_on_nonfinite_reads_one_flag_per_call_over_every_region(monkeypatch: pyt
     dbg(x)
     assert len(fired) >= 1 and fired[0].first_nonfinite is not None
     assert "blocks_3_down" in fired[0].first_nonfinite
+
+
+def test_a_recipe_is_used_only_while_its_container_holds_what_it_was_made_from() -> None:
+    """A copy repeats the first copy's recipes; a container of the template changed since (a list grown, a key
+    added, a field reassigned) is walked afresh, its new values renamed too, never copied with the template's names."""
+    import dataclasses as dc
+    import re
+
+    from fxdebug.instrumented.copy_walk import Renamer
+
+    @dc.dataclass
+    class Template:  # what the walk reads of live_copies.Template
+        pattern: Any = re.compile("n1")
+        inert: set = dc.field(default_factory=set)
+        same: dict = dc.field(default_factory=dict)
+        plans: dict = dc.field(default_factory=dict)
+        originals: frozenset = frozenset({"n1"})
+
+    t = Template()
+    meta = {"module": "blocks.0", "nodes": ["n1", "kept"], "shape": (2, 4), "pair": ("n1", 3)}
+
+    def copy(to: str) -> Any:
+        return Renamer({"n1": f"n{to}", "blocks.0": f"blocks.{to}"}, t, ("fxdebug.",)).planned(meta)
+
+    first = copy("2")
+    assert first == {"module": "blocks.2", "nodes": ["n2", "kept"], "shape": (2, 4), "pair": ("n2", 3)}
+    assert first["shape"] is meta["shape"] and first["nodes"] is not meta["nodes"]
+    assert copy("3") == {"module": "blocks.3", "nodes": ["n3", "kept"], "shape": (2, 4), "pair": ("n3", 3)}
+    meta["nodes"].append("n1_obs")  # the list changed: walked afresh (the derived name renamed by its node's)
+    meta["extra"] = "blocks.0"  # a key added: the mapping walked afresh
+    again = copy("4")
+    assert again == {"module": "blocks.4", "nodes": ["n4", "kept", "n4_obs"], "shape": (2, 4), "pair": ("n4", 3),
+                     "extra": "blocks.4"}
+    meta["nodes"][1] = "n1"  # the list alone changed, under a mapping whose recipe was made anew
+    assert copy("5") == {"module": "blocks.5", "nodes": ["n5", "n5", "n5_obs"], "shape": (2, 4), "pair": ("n5", 3),
+                         "extra": "blocks.5"}

@@ -127,7 +127,7 @@ class Renamer:
         shape, kind = r.shape, r.kind
         if shape == "list" or shape == "tuple" or shape == "fields":
             if tuple(map(id, x)) != r.ids:
-                return self._record(x)[0]  # changed since the recipe: walked afresh
+                return self._again(x, r)  # changed since the recipe: walked afresh
             items = list(x)
             for i, what in r.fixes:
                 items[i] = self._apply(items[i], what)
@@ -136,7 +136,7 @@ class Renamer:
             return items if kind is list else kind(items)
         if shape == "map":
             if tuple(map(id, x.values())) != r.ids or tuple(x) != r.keys:
-                return self._record(x)[0]
+                return self._again(x, r)
             if r.key_fixes:
                 keys, vals = list(x), list(x.values())
                 for i, what in r.key_fixes:
@@ -152,7 +152,7 @@ class Renamer:
         if shape == "observer":
             state = {k: v for k, v in state.items() if k not in _UNCOUNTED}
         if tuple(map(id, state.values())) != r.ids or tuple(state) != r.keys:
-            return self._record(x)[0]
+            return self._again(x, r)
         new: Any = object.__new__(kind)
         if shape != "immutable":
             self.seed(x, new)  # before its fields: they may lead back to it
@@ -161,6 +161,14 @@ class Renamer:
             fields[k] = self._apply(fields[k], what)
         new.__dict__.update(fields)
         return new
+
+    def _again(self, x: Any, r: _Recipe) -> Any:
+        """A container the template changed since ``r`` was made: walked afresh, and ``r`` made anew from it (the
+        next copies use the new one)."""
+        out, what = self._record(x)
+        if isinstance(what, _Recipe):
+            r.__dict__.update(what.__dict__)
+        return out
 
     def _record(self, x: Any) -> tuple[Any, Any]:
         """``(the copy's value for x, what a later copy does with x)``: the walk itself, which records as it goes."""
