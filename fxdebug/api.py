@@ -309,7 +309,7 @@ class Regional(str):
     """The note of an ``"auto"`` choice of the live capture with regional capture on (``LiveState.regional``)."""
 
 
-def _regional_note(model: nn.Module, asked: str = "auto") -> Regional | None:
+def _regional_note(model: nn.Module, by_name: bool = False) -> Regional | None:
     """Above ``LIVE_MODULE_LIMIT`` modules, the live capture when the model's repeated blocks hold at least half of
     its modules: each block is a region traced once and its instances are copies (``live_regions``,
     ``live_copies``), so the capture costs about one block per structure, not Dynamo's trace of every module."""
@@ -321,8 +321,8 @@ def _regional_note(model: nn.Module, asked: str = "auto") -> Regional | None:
     inside, total = covered(model, regions)
     if 2 * inside < total:
         return None
-    lead = "auto: the live Dynamo capture" if asked == "auto" else "dynamo: the live capture"
-    inlined = "" if asked == "auto" else "FXDEBUG_REGIONS=0 captures every block inlined; "
+    lead = "dynamo: the live capture" if by_name else "auto: the live Dynamo capture"  # (frontend="dynamo" asked)
+    inlined = "FXDEBUG_REGIONS=0 captures every block inlined; " if by_name else ""
     return Regional(f"{lead} with regional capture: more than {LIVE_MODULE_LIMIT} modules, "
                     f"{inside} of {total} of them inside {regions.blocks} repeated block(s), each block's structure "
                     "traced once and its instances instrumented as copies of the first (each keeps its own rows); "
@@ -336,7 +336,7 @@ def _deep_dynamo(model: nn.Module, why: str) -> str:
     inner, _ = unwrap_parallel(model)
     if sum(1 for _ in itertools.islice(inner.modules(), LIVE_MODULE_LIMIT + 1)) <= LIVE_MODULE_LIMIT:
         return why
-    note = _regional_note(inner, "dynamo")
+    note = _regional_note(inner, by_name=True)
     return why if note is None else note
 
 
