@@ -49,6 +49,24 @@ def _poisoned():
 CASES.append(("nonfinite", _poisoned, 1, 4))
 
 
+def _poisoned_blocks():
+    """NaN and Inf inside whole 512-element blocks (the kernel's float lanes redo such a block exactly), in the
+    tail after them, and huge finite values whose squares overflow float32 in another block."""
+    x = torch.randn(5, 1000)
+    x[0, 3], x[1, 700], x[2, 999], x[4, 998] = math.nan, math.inf, -math.inf, math.nan
+    x[3, 100:110] = 1e36
+    return x
+
+
+CASES += [
+    ("nonfinite_in_blocks", _poisoned_blocks, 1, 1000),
+    ("half_in_blocks", lambda: torch.randn(3, 1500).half(), 0, 3),
+    ("bfloat16_in_blocks", lambda: torch.relu(torch.randn(2, 4, 300)).bfloat16(), 1, 4),
+    ("short_runs", lambda: torch.randn(1, 512, 2, 2), 1, 512),  # a channel's run shorter than a vector
+    ("short_runs_chunked", lambda: torch.randn(4, 3000, 3, 3), 1, 3000),  # chunks that start mid-way through the channels
+]
+
+
 def _nodes(dbg):
     """Every node of the module's captured graphs (one for a snapshot, one per capture of a live module)."""
     return [n for part in dbg.parts().values() for n in part.graph.nodes]

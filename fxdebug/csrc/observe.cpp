@@ -80,34 +80,74 @@ inline void run_stats_exact(const T* p, int64_t n, Acc& a) {
 }
 
 constexpr int64_t BLOCK = 512;
+constexpr int LANES = 16;  // one AVX-512 register of floats (two of AVX2): the accumulators stay vectors
 
-// Fast path for float32/16/bf16: blocks of 512 in float lanes (twice the lanes of double), each
-// block's partial sums added in double. A block's |x| sum is finite exactly when the block holds
-// no NaN/Inf and nothing overflowed; otherwise the block is redone on the exact path, so large
-// finite values (1e36) are never mistaken for non-finite ones and NaN/Inf counts stay exact.
+// Fast path for float32/16/bf16: blocks of 512 in float lanes (twice the lanes of double). Each
+// block's lane sums are added, lane by lane, into double lanes, and only the run's end reduces
+// across lanes: a horizontal reduction per block (six chains of scalar adds) cost as much as the
+// block's loop itself. A block's |x| sum is finite exactly when the block holds no NaN/Inf and
+// nothing overflowed; otherwise the block's sums are redone on the exact path, so large finite
+// values (1e36) are never mistaken for non-finite ones and NaN/Inf counts stay exact. Min and max
+// are exact in float and ignore NaN on both paths, so they stay in lanes across every block.
 template <typename T>
 inline void run_stats(const T* p, int64_t n, Acc& a) {
   if constexpr (std::is_same<T, double>::value) {
     run_stats_exact(p, n, a);
   } else {
-    for (int64_t b = 0; b < n; b += BLOCK) {
-      int64_t m = std::min(BLOCK, n - b);
+    double ds[LANES] = {0}, dsq[LANES] = {0}, dab[LANES] = {0};
+    int64_t dz[LANES] = {0};
+    float mn[LANES], mx[LANES];
+    for (int j = 0; j < LANES; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
+    int64_t full = n / BLOCK * BLOCK;
+    for (int64_t b = 0; b < full; b += BLOCK) {
       const T* q = p + b;
-      float s = 0, sq = 0, ab = 0, z = 0, mn = INFINITY, mx = -INFINITY;
-#pragma omp simd reduction(+ : s, sq, ab, z) reduction(min : mn) reduction(max : mx)
+      float s[LANES] = {0}, sq[LANES] = {0}, ab[LANES] = {0};
+      int32_t z[LANES] = {0};
+      for (int64_t i = 0; i < BLOCK; i += LANES) {
+#pragma omp simd
+        for (int j = 0; j < LANES; j++) {
+          float v = static_cast<float>(q[i + j]);
+          s[j] += v;
+          sq[j] += v * v;
+          ab[j] += std::fabs(v);
+          z[j] += (v == 0.0f);
+          mn[j] = v < mn[j] ? v : mn[j];
+          mx[j] = v > mx[j] ? v : mx[j];
+        }
+      }
+      int bad = 0;
+#pragma omp simd reduction(| : bad)
+      for (int j = 0; j < LANES; j++) bad |= !(ab[j] < INFINITY) | !(sq[j] < INFINITY);
+      if (!bad) {
+#pragma omp simd
+        for (int j = 0; j < LANES; j++) { ds[j] += s[j]; dsq[j] += sq[j]; dab[j] += ab[j]; dz[j] += z[j]; }
+      } else {
+        run_stats_exact(q, BLOCK, a);
+      }
+    }
+    for (int j = 0; j < LANES; j++) {
+      a.sum += ds[j]; a.sumsq += dsq[j]; a.abs += dab[j]; a.zeros += dz[j];
+      a.mn = std::min(a.mn, static_cast<double>(mn[j]));
+      a.mx = std::max(a.mx, static_cast<double>(mx[j]));
+    }
+    if (full < n) {  // the tail, shorter than a block: one float block as before
+      const T* q = p + full;
+      int64_t m = n - full;
+      float s = 0, sq = 0, ab = 0, z = 0, tmn = INFINITY, tmx = -INFINITY;
+#pragma omp simd reduction(+ : s, sq, ab, z) reduction(min : tmn) reduction(max : tmx)
       for (int64_t i = 0; i < m; i++) {
         float v = static_cast<float>(q[i]);
         s += v;
         sq += v * v;
         ab += std::fabs(v);
         z += (v == 0.0f) ? 1.0f : 0.0f;
-        mn = v < mn ? v : mn;
-        mx = v > mx ? v : mx;
+        tmn = v < tmn ? v : tmn;
+        tmx = v > tmx ? v : tmx;
       }
       if (std::isfinite(ab) && std::isfinite(sq)) {
         a.sum += s; a.sumsq += sq; a.abs += ab; a.zeros += static_cast<int64_t>(z);
-        a.mn = std::min(a.mn, static_cast<double>(mn));
-        a.mx = std::max(a.mx, static_cast<double>(mx));
+        a.mn = std::min(a.mn, static_cast<double>(tmn));
+        a.mx = std::max(a.mx, static_cast<double>(tmx));
       } else {
         run_stats_exact(q, m, a);
       }
@@ -162,8 +202,25 @@ void stats(const T* p, int64_t n, int64_t c, int64_t inner, bool per_chan, Acc& 
             m[j] = v > m[j] ? v : m[j];
           }
         }
-      } else {
-        for (int64_t q = i0 / inner; q < (i0 + len) / inner; q++) run_max(p + q * inner, inner, m[q % c]);
+      } else {  // runs of `inner` elements, one channel each; the channel index advances without a division per run
+        int64_t q0 = i0 / inner, q1 = (i0 + len) / inner, ch = q0 % c;
+        if (inner >= LANES) {
+          for (int64_t q = q0; q < q1; q++) {
+            run_max(p + q * inner, inner, m[ch]);
+            if (++ch == c) ch = 0;
+          }
+        } else {  // short runs (a 2x2 map): a vector loop's set-up per run would cost more than the run
+          const T* r = p + q0 * inner;
+          for (int64_t q = q0; q < q1; q++, r += inner) {
+            V mx = m[ch];
+            for (int64_t i = 0; i < inner; i++) {
+              V v = static_cast<V>(r[i]);
+              mx = v > mx ? v : mx;
+            }
+            m[ch] = mx;
+            if (++ch == c) ch = 0;
+          }
+        }
       }
     }
   });
