@@ -171,64 +171,79 @@ inline void run_max(const T* p, int64_t n, work_t<T>& m) {
 
 inline void nan_max_into(double& slot, double v) { slot = (std::isnan(slot) || std::isnan(v)) ? NAN : std::max(slot, v); }
 
+// The channel maxima of `len` elements starting at element i0 (whole runs) into `m`.
+template <typename T>
+inline void chan_max(const T* p, int64_t i0, int64_t len, int64_t c, int64_t inner, work_t<T>* m) {
+  using V = work_t<T>;
+  if (inner == 1) {  // rows of c channels: vectorised along the channels
+    for (int64_t r = 0; r < len / c; r++) {
+      const T* q = p + i0 + r * c;
+#pragma omp simd
+      for (int64_t j = 0; j < c; j++) {
+        V v = static_cast<V>(q[j]);
+        m[j] = v > m[j] ? v : m[j];
+      }
+    }
+    return;
+  }
+  // runs of `inner` elements, one channel each; the channel index advances without a division per run
+  int64_t q0 = i0 / inner, q1 = (i0 + len) / inner, ch = q0 % c;
+  if (inner >= LANES) {
+    for (int64_t q = q0; q < q1; q++) {
+      run_max(p + q * inner, inner, m[ch]);
+      if (++ch == c) ch = 0;
+    }
+    return;
+  }
+  const T* r = p + q0 * inner;  // short runs (a 2x2 map): a vector loop's set-up per run would cost more than the run
+  for (int64_t q = q0; q < q1; q++, r += inner) {
+    V mx = m[ch];
+    for (int64_t i = 0; i < inner; i++) {
+      V v = static_cast<V>(r[i]);
+      mx = v > mx ? v : mx;
+    }
+    m[ch] = mx;
+    if (++ch == c) ch = 0;
+  }
+}
+
 // All statistics of `n` elements in memory order, in fixed chunks of whole runs (a run is the
 // `inner` contiguous elements of one channel; channels last means inner == 1 and rows of `c`).
 // Each chunk is read from memory once: the global statistics in one vectorised loop, then the
 // channel maxima of the same, cache-hot chunk. Chunk partials are combined in chunk order (the
 // sums do not depend on the thread count); maxima go to per-thread arrays (max is exact in any order).
+// A tensor of one chunk (most of a debugging-size model's) takes none of the per-chunk arrays.
 template <typename T>
 void stats(const T* p, int64_t n, int64_t c, int64_t inner, bool per_chan, Acc& total, std::vector<double>& cmax) {
   using V = work_t<T>;
   int64_t unit = per_chan ? (inner == 1 ? c : inner) : 1;  // chunks hold whole runs (or rows)
   int64_t per_chunk = std::max<int64_t>(1, GRAIN / unit) * unit;
   int64_t chunks = (n + per_chunk - 1) / per_chunk;
-  std::vector<Acc> parts(chunks);
-  int threads = at::get_num_threads();
-  std::vector<std::vector<V>> tmax(per_chan ? threads : 0,
-                                   std::vector<V>(per_chan ? c : 0, -std::numeric_limits<V>::infinity()));
-  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
-    int tid = std::min(at::get_thread_num(), threads - 1);
-    for (int64_t k = b; k < e; k++) {
-      int64_t i0 = k * per_chunk, len = std::min(per_chunk, n - i0);
-      run_stats(p + i0, len, parts[k]);
-      if (!per_chan) continue;
-      V* m = tmax[tid].data();
-      if (inner == 1) {  // rows of c channels: vectorised along the channels
-        for (int64_t r = 0; r < len / c; r++) {
-          const T* q = p + i0 + r * c;
-#pragma omp simd
-          for (int64_t j = 0; j < c; j++) {
-            V v = static_cast<V>(q[j]);
-            m[j] = v > m[j] ? v : m[j];
-          }
-        }
-      } else {  // runs of `inner` elements, one channel each; the channel index advances without a division per run
-        int64_t q0 = i0 / inner, q1 = (i0 + len) / inner, ch = q0 % c;
-        if (inner >= LANES) {
-          for (int64_t q = q0; q < q1; q++) {
-            run_max(p + q * inner, inner, m[ch]);
-            if (++ch == c) ch = 0;
-          }
-        } else {  // short runs (a 2x2 map): a vector loop's set-up per run would cost more than the run
-          const T* r = p + q0 * inner;
-          for (int64_t q = q0; q < q1; q++, r += inner) {
-            V mx = m[ch];
-            for (int64_t i = 0; i < inner; i++) {
-              V v = static_cast<V>(r[i]);
-              mx = v > mx ? v : mx;
-            }
-            m[ch] = mx;
-            if (++ch == c) ch = 0;
-          }
-        }
+  constexpr V lowest = -std::numeric_limits<V>::infinity();
+  if (chunks == 1) {
+    run_stats(p, n, total);
+    if (!per_chan) return;
+    std::vector<V> m(c, lowest);
+    chan_max(p, 0, n, c, inner, m.data());
+    cmax.assign(m.begin(), m.end());
+  } else {
+    std::vector<Acc> parts(chunks);
+    int threads = at::get_num_threads();
+    std::vector<std::vector<V>> tmax(per_chan ? threads : 0, std::vector<V>(per_chan ? c : 0, lowest));
+    at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+      int tid = std::min(at::get_thread_num(), threads - 1);
+      for (int64_t k = b; k < e; k++) {
+        int64_t i0 = k * per_chunk, len = std::min(per_chunk, n - i0);
+        run_stats(p + i0, len, parts[k]);
+        if (per_chan) chan_max(p, i0, len, c, inner, tmax[tid].data());
       }
-    }
-  });
-  for (auto& part : parts) total.merge(part);
-  if (!per_chan) return;
-  cmax.assign(c, -INFINITY);
-  for (int t = 0; t < threads; t++)
-    for (int64_t j = 0; j < c; j++) cmax[j] = std::max(cmax[j], static_cast<double>(tmax[t][j]));
+    });
+    for (auto& part : parts) total.merge(part);
+    if (!per_chan) return;
+    cmax.assign(c, -INFINITY);
+    for (int t = 0; t < threads; t++)
+      for (int64_t j = 0; j < c; j++) cmax[j] = std::max(cmax[j], static_cast<double>(tmax[t][j]));
+  }
   if (total.nans) {  // rare: mark the channels that held a NaN (their max is NaN, as amax says)
     for (int64_t i = 0; i < n; i++) {
       V v = static_cast<V>(p[i]);
