@@ -147,7 +147,15 @@ class ShapeAssert(fxdebug.Pass):
             learnt = first.get(old)
             if learnt is not None:
                 first.setdefault(new, learnt)
-        _remember_owners(copy, self.__dict__["_owners"][id(copy.__dict__.get("_modules"))])
+        # the copy's module paths are the source's, renamed: the source's are found once, not walked per copy
+        cache = self.__dict__.setdefault("_paths", {})
+        hit = cache.get(id(source))
+        if hit is None or hit[0] is not source.graph:
+            hit = cache[id(source)] = (source.graph, _paths(source), weakref.ref(source))
+        owners = self.__dict__["_owners"][id(copy.__dict__.get("_modules"))]
+        paths = {renamed.get(p, p) for p in hit[1]}
+        for path, module in _modules_at(copy, {p for p in paths if p not in owners}).items():
+            owners[path] = weakref.ref(module)
 
     def _ran_on_other_inputs(self, gm: GraphModule, specs: dict[str, Any]) -> bool:
         """Whether this (live) graph was captured on ``other_inputs``: its tensor inputs have their shapes."""
@@ -180,7 +188,7 @@ class ShapeAssert(fxdebug.Pass):
         return found[1]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_first", "_owners")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_first", "_owners", "_paths")}
 
     def _dynamic(self, spec: TensorSpec, other: Any) -> set[int]:
         rank = len(spec.shape)
@@ -197,16 +205,28 @@ def _modules_at(gm: GraphModule, paths: Iterable[str]) -> dict[str, Any]:
         return {}
     found: dict[str, Any] = {}
     for name in wanted:  # each looked up (a live part shares the whole model: a walk per part was quadratic)
-        try:
-            found[name] = gm.get_submodule(name)
-        except AttributeError:
-            continue
+        module: Any = gm
+        for step in name.split("."):  # through the module tables (get_submodule: ~6 us a path, per copy of a block)
+            module = (module.__dict__.get("_modules") or {}).get(step)
+            if module is None:
+                break
+        if module is None:  # anything else on the way (a module held as a plain attribute): as torch finds it
+            try:
+                module = gm.get_submodule(name)
+            except AttributeError:
+                continue
+        found[name] = module
     return found
+
+
+def _paths(gm: GraphModule) -> frozenset[str]:
+    """The module paths the graph's own nodes belong to."""
+    return frozenset(module_path(n) for n in gm.graph.nodes if not is_instrumentation(n))
 
 
 def _remember_owners(gm: GraphModule, owners: dict[str, Any]) -> None:
     """Note, for each module path the graph's nodes belong to, the module object there now (weakly)."""
-    paths = {module_path(n) for n in gm.graph.nodes if not is_instrumentation(n)}
+    paths = _paths(gm)
     for path, module in _modules_at(gm, {p for p in paths if p not in owners}).items():  # (not set(owners): per graph)
         owners[path] = weakref.ref(module)
 

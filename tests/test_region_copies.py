@@ -171,6 +171,26 @@ def test_a_copy_names_its_own_nodes_in_shape_errors(monkeypatch: pytest.MonkeyPa
     assert "blocks_3" in messages[0] and "blocks.3" in messages[0]
 
 
+def test_a_replaced_layer_of_a_copied_instance_is_learnt_again_not_a_shape_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy's shape expectations belong to its own instance's modules: a wider layer put in place of one of them
+    is learnt anew at the next call (as for the template's instance), not reported as a shape mismatch."""
+    for copies in (True, False):
+        torch.manual_seed(0)
+        model, x = Net(6), torch.randn(2, 4)
+        dbg = _instrument(model, x, copies, monkeypatch, [ShapeAssert(), StatCollector()])
+        block = model.blocks[4]
+        block.up, block.down = nn.Linear(8, 32), nn.Linear(32, 8)
+        with torch.no_grad():
+            assert torch.equal(dbg(x), model(x))
+        shapes = {r["module"]: r["shape"] for r in dbg.report().rows}
+        assert shapes["blocks.4.up"] == (2, 32) and shapes["blocks.4.down"] == (2, 8), copies
+        assert shapes["blocks.3.up"] == (2, 16), copies
+        block.up = nn.Linear(8, 24)  # a real mismatch in that instance: named there, not at a block's input
+        with pytest.raises(ShapeMismatchError) as err:
+            dbg(x)
+        assert "blocks.4.down" in str(err.value) and "in_features" in str(err.value), copies
+
+
 def test_a_nan_in_a_copied_instance_is_found_there(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
     model, x = Net(6), torch.randn(2, 4)
