@@ -202,7 +202,7 @@ class LiveInstrumented(Instrumented):
 
         if kwargs:
             return None
-        for found in _guard_order(self._live_state.parts, model_inputs_only=True):
+        for found in _guard_order(self._live_state.parts):
             part = found.part
             call = _user_arguments([n for n in part.graph.nodes if n.op == "placeholder"], args)
             if call is None:
@@ -470,25 +470,21 @@ class LiveInstrumented(Instrumented):
         return (_load_live, (self._model, live.passes, list(self.trace_info.notes), state))
 
 
-def _guard_order(parts: dict[DynamoGraph, _Part], model_inputs_only: bool = False) -> list[_Part]:
-    """The parts in the order a call reaches them (each frame and call site at its first capture), the newest
-    recompile of each first: the first that takes the model's inputs is the one a call starts in (with regional
-    capture several parts take an input of that shape; the head's is not where a mismatch shows first).
-
-    ``model_inputs_only``: of the regions' parts only the first region's (a call's first module, ``stem``): a later
-    region's inputs are what the modules before it made, never the model's (run on the model's arguments, a block
-    that takes one tensor blamed its input for the model's shape)."""
+def _guard_order(parts: dict[DynamoGraph, _Part]) -> list[_Part]:
+    """The parts that may take the model's inputs, in the order a call reaches them (each frame and call site at its
+    first capture), the newest recompile of each first. Of the block regions' parts only the first region's (a call's
+    first module): a later region takes what the modules before it made (run on the model's arguments, a block that
+    takes one tensor blamed its input for the model's shape; the head's is not where a mismatch shows first)."""
     groups: dict[tuple[Any, ...], list[_Part]] = {}
-    first_region: Any = None
+    first: Any = None
     for graph, found in parts.items():
-        if model_inputs_only and template_for(graph) is not None:
-            site = getattr(graph, "site").label
-            if first_region is None:
-                first_region = site
-            elif site != first_region:
-                continue
         site = getattr(graph, "site", None)
-        groups.setdefault((graph.frame, site.label if site is not None else ""), []).append(found)
+        label = site.label if site is not None else ""
+        if template_for(graph) is not None:
+            first = label if first is None else first
+            if label != first:
+                continue
+        groups.setdefault((graph.frame, label), []).append(found)
     return [found for group in groups.values() for found in reversed(group)]
 
 
