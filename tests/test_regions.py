@@ -3,6 +3,9 @@ instrumented model stays the model (outputs, gradients, a replaced block, anothe
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import torch
 from torch import nn
 
@@ -266,3 +269,29 @@ def test_an_nn_sequential_of_blocks_observes_its_other_children_and_is_not_trace
     for path in ("0", "7.0", "8", "3.fc2"):
         for column in ("mean", "std", "grad_norm"):
             assert rows[path][column] == pytest.approx(want[path][column], rel=1e-5), (path, column)
+
+
+@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz's dot is not installed")
+def test_render_joins_the_regions_graphs_by_their_data_and_draws_a_copys_nan_origin(tmp_path) -> None:
+    """Several graphs (a region per block) are drawn as one picture: each block's input is the node of the block
+    before that made it (no dangling ``layers_3_x``), and a NaN that starts in a copied instance is the origin
+    there, found first in time beside the other graphs' rows (a copy's clock counted its first call as 1)."""
+    torch.manual_seed(0)
+    model, x = Stack(6), torch.randn(2, 8)
+    dbg = fxdebug.instrument(model, [NaNCheck(), StatCollector()], x, frontend="dynamo")
+    assert len(dbg.parts()) > 6
+    with torch.no_grad():
+        model.layers[3].fc2.weight.view(-1)[0] = float("nan")
+        dbg(x)
+    report = dbg.report()
+    assert report.first_nonfinite == "layers_3_fc2"
+    first_calls = {r["node"]: r["nonfinite_first_call"] for r in report.rows if r.get("nonfinite_calls")}
+    assert first_calls and set(first_calls.values()) == {0}
+    dbg.render(str(tmp_path / "stack.svg"), fold=False, depth=4)
+    dot = (tmp_path / "stack.dot").read_text(encoding="utf-8")
+    edges = set(re.findall(r'^\s*"?([\w/.]+)"? -> "?([\w/.]+)"?', dot, re.M))
+    for i in range(5):
+        assert (f"layers_{i}_add", f"layers_{i + 1}_norm") in edges, i
+    assert ("emb_linear", "layers_0_norm") in edges and ("layers_5_add", "head_linear") in edges
+    assert not any(f"layers_{i}_x" in dot for i in range(6))
+    assert re.search(r"live: \d+ graphs, joined", dot)

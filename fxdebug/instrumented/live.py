@@ -48,10 +48,10 @@ from fxdebug.instrumented.live_copies import (Template, copied_part, copies_enab
                                               signature, template_for)
 from fxdebug.instrumented.live_call import backend_note, live_call, live_forward, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
-from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments
+from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments, record_flow
 from fxdebug.instrumented.live_skips import compile_scope, run_watched
 from fxdebug.instrumented.live_state import STATE_KEY, LiveState
-from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts
+from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts, joined_parts
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import channel_maxima
 from fxdebug.report.report import Report, merge_reports
@@ -249,7 +249,7 @@ class LiveInstrumented(Instrumented):
             # instrument()'s capture on the example inputs: the graph is instrumented (shapes learnt), but what runs
             # is Dynamo's plain graph, as a snapshot frontend runs the model only to learn shapes: no breakpoint,
             # raise-mode check, NaN callback or gradient hook of the passes fires at instrument time
-            return graph.gm(*args)
+            return record_flow(state, found, args, graph.gm(*args))  # and which part fed which (render joins them)
         found.calls.append(state.calls - 1)  # this graph's next call index is the module's call
         lifted = state.lifted
         try:
@@ -418,7 +418,7 @@ class LiveInstrumented(Instrumented):
                               shrink)
 
     def render(self, path: str, example_inputs: Any = None, **kwargs: Any) -> str:
-        """Draw the largest captured graph, annotated with the report over every capture."""
+        """Draw the captured graphs (several joined into one picture), annotated with the report over every capture."""
         if example_inputs is not None and not self.parts():
             inputs = normalize_inputs(example_inputs)
             if inputs is not None:
@@ -432,8 +432,8 @@ class LiveInstrumented(Instrumented):
         report = kwargs.pop("report", None)
         if report is None and self.observers():
             report = self.report()
-        largest = max(parts, key=lambda p: len(p.graph.nodes))
-        return draw(largest, path, report=report, **kwargs)
+        largest = max(parts, key=lambda p: len(p.graph.nodes))  # several graphs: all, joined by what fed which
+        return draw(largest, path, report=report, **{"parts": joined_parts(self), **kwargs})
 
     def retrace(self) -> Instrumented:
         state = self._live_state

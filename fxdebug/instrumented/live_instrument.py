@@ -102,6 +102,7 @@ def _capture_examples(gm: LiveInstrumented, model: nn.Module, passes: list[Pass]
                     gm(*more_args, **more_kwargs)
     finally:
         gm._live_state.capturing_examples = False
+        gm._live_state.produced.clear()
     gm.reset()
     parts = gm.parts()
     check_where_matched(passes, parts, prefixed=False)

@@ -235,6 +235,26 @@ def _fresh_part(class_name: str) -> InstrumentedGraphModule:
     return new
 
 
+def record_flow(state: Any, found: _Part, args: tuple[Any, ...], out: Any) -> Any:
+    """``out``, a graph's result on the example inputs, after noting which of the part's inputs an earlier part
+    made (``LiveState.feeds``) and which nodes made this part's outputs. Tensors are matched by identity, checked
+    through a weak reference, so a freed tensor's id reused by another never joins two unrelated nodes."""
+    graph = found.part.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, i in zip(placeholders, found.keep):
+        value = args[i] if i < len(args) else None
+        hit = state.produced.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if hit is not None and hit[0]() is value:
+            state.feeds[node.name] = hit[1]
+    result = next(iter(reversed(graph.nodes)), None)
+    made = result.args[0] if result is not None and result.op == "output" and result.args else ()
+    if isinstance(out, (tuple, list)) and isinstance(made, (tuple, list)) and len(out) == len(made):
+        for value, node in zip(out, made):
+            if isinstance(value, torch.Tensor) and isinstance(node, Node):
+                state.produced[id(value)] = (weakref.ref(value), node.name)
+    return out
+
+
 def _part_over(model: nn.Module, prepared: Prepared) -> InstrumentedGraphModule:
     """An ``InstrumentedGraphModule`` graph that reads the model's state live: the model's own dictionaries.
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import nn
 
+from fxdebug.render.joined import JoinedParts
 from fxdebug.report.report import Report, _grad_producers, _nonfinite_params
 from fxdebug.runtime.columns import ORIGIN
 
@@ -85,3 +86,12 @@ def _note_fast_paths(model: nn.Module, notes: list[str]) -> None:
                 "eager writes 0 (mask them out before comparing or reducing)")
         if note not in notes:
             notes.append(note)
+
+
+def joined_parts(dbg: Any) -> JoinedParts | None:
+    """A live module's parts as one picture joins them (``render.joined``), or ``None`` when it holds one graph or
+    none of its graphs took another's output while ``instrument()`` ran (then its largest graph is drawn)."""
+    state = dbg._live_state
+    if len(state.parts) < 2 or not state.feeds:
+        return None
+    return JoinedParts(dbg.parts(), state.feeds, type(dbg._model).__name__)

@@ -68,6 +68,12 @@ class LiveState:
     """``instrument()`` is calling the module on its example inputs: the graphs are captured and instrumented,
     but Dynamo's plain graphs run (no breakpoint, raise-mode check or hook fires at instrument time), and a
     failure of the model's forward names the example inputs."""
+    produced: dict[int, tuple[Any, str]] = field(default_factory=dict)
+    """While ``instrument()`` captures: each graph's output tensors so far, by id, with a weak reference and the
+    node that made them (``live_parts.record_flow``); emptied when the capture ends."""
+    feeds: dict[str, str] = field(default_factory=dict)
+    """A part's input placeholder -> the node of an earlier part whose output it took, seen on the example inputs:
+    what ``render()`` joins the parts of a capture in several graphs (block regions, graph breaks) by."""
     lifted: list[list[Any]] = field(default_factory=list)
     """The user's dispatch modes lifted off the stack for the current call (a stack: calls may nest), put back
     around each captured graph's run (``_call_under_modes``)."""

@@ -26,6 +26,7 @@ from fxdebug.render.dot import (AUTO_BUDGET, COLORS, auto_depth, dot_lines, draw
                                 shape_text, used_highlights)
 from fxdebug.render.fold import fold_view
 from fxdebug.render.html import diff_scores, write_html
+from fxdebug.render.joined import JoinedParts, joined_view
 from fxdebug.render.parts import part_chain, parts_view
 from fxdebug.render.view import GraphView, build_view
 
@@ -207,6 +208,8 @@ def _dot_text(source: str, dot_path: str, out_path: str) -> str:
 
 def _view(gm: GraphModule, opts: RenderOptions) -> GraphView:
     """The view of ``gm``: its graph, or every captured part joined by the data between them."""
+    if isinstance(opts.parts, JoinedParts):  # a live capture's graphs, joined by what fed which
+        return joined_view(opts.parts, opts.report, failed=opts.failed, show_instrumentation=opts.show_instrumentation)
     if opts.parts is not None and list(opts.parts) != [""]:
         return parts_view(gm, opts.report, failed=opts.failed, show_instrumentation=opts.show_instrumentation)
     return build_view(gm, opts.report, show_instrumentation=opts.show_instrumentation, failed=opts.failed)

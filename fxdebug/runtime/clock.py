@@ -133,13 +133,13 @@ class Clock(nn.Module):
             return self._forward_traced(anchors)
         with _LOCK:  # the eager path: plain dict writes (nn.Module.__setattr__ costs ~2 µs) and one tick
             state = self.__dict__
-            state["_host_calls"] += 1
             ticks = self._ticks
             if ticks:  # none exist before the first call asks for one
                 for device_tick in ticks.values():
                     device_tick.add_(1)
             table = state["table"]
             if not self.rows:
+                state["_host_calls"] += 1
                 return table
             device = None
             for a in anchors:
@@ -147,7 +147,11 @@ class Clock(nn.Module):
                     device = a.device
                     break
             if table is None or (device is not None and table.device != device):
+                # made (or moved) before this call is counted: its slot 0 holds the calls before it, and the tick
+                # below makes it this call's index (a table first made here, as a region copy's is, read 1 for the
+                # first call, and its NaN origin lost to another graph's)
                 table = self.materialize(device if device is not None else "cpu")
+            state["_host_calls"] += 1
             cached = state["_tick"]
             if cached is None or cached[0] is not table:  # identity: the ticker is made once per table
                 cached = state["_tick"] = (table, _ticker(table))
