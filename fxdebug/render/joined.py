@@ -44,8 +44,9 @@ def joined_view(parts: JoinedParts, report: Any = None, *, failed: Any = None,
     module_types: dict[str, str] = {}
     columns = None
     last_output: VisNode | None = None
+    rows = {r["node"]: r for r in (report.rows if report is not None else [])}
     for part in parts.values():
-        view = build_view(part, report, failed=failed, show_instrumentation=show_instrumentation)
+        view = build_view(part, report, failed=failed, show_instrumentation=show_instrumentation, rows=rows)
         columns = columns or view.columns
         module_types.update(view.module_types)
         for name, v in view.nodes.items():

@@ -170,10 +170,12 @@ def _container_types(gm: GraphModule, paths: set[str]) -> dict[str, str]:
 
 
 def build_view(gm: GraphModule, report: Any = None, *, show_instrumentation: bool = False,
-               failed: Any = None) -> GraphView:
-    """The ``GraphView`` of ``gm`` annotated with ``report`` (a ``Report`` or ``None``)."""
+               failed: Any = None, rows: dict[str, Any] | None = None) -> GraphView:
+    """The ``GraphView`` of ``gm`` annotated with ``report`` (a ``Report`` or ``None``); ``rows``: its rows by node
+    when the caller has them (one view per graph of a capture in thousands: built once, not per graph)."""
     nodes = list(gm.graph.nodes)
-    rows = {r["node"]: r for r in (report.rows if report is not None else [])}
+    if rows is None:
+        rows = {r["node"]: r for r in (report.rows if report is not None else [])}
     columns = list(getattr(report, "columns", None) or resolve_columns(()))
     colored = [c for c in columns if c.has(COLOR)]
     bad_keys = [c.key for c in columns if c.has(NONFINITE)]
