@@ -308,3 +308,16 @@ def test_a_graph_no_pass_observes_adds_no_rows_beside_observed_ones():
     assert [r["module"] for r in dbg.report().rows] == ["b"] and dbg.report().rows[0]["calls"] == 1
     plain = fxdebug.instrument(GraphBreakPair(), [], example_inputs=(x,), frontend="dynamo")
     assert {"a", "b"} <= {r["module"] for r in plain.report().rows}  # nothing observed: the nodes are listed
+
+
+def test_pass_results_of_a_capture_in_two_graphs_cover_both() -> None:
+    """``dbg.pass_results`` says what each pass did over every graph: after a graph break it listed the first graph's
+    nodes alone. The picture of the two graphs joins ``b`` to the ``relu`` of the first graph that fed it."""
+    x = torch.randn(2, 4)
+    dbg = fxdebug.instrument(GraphBreakPair(), [StatCollector()], example_inputs=(x,), frontend="dynamo")
+    parts = list(dbg.parts().values())
+    assert len(parts) == 2
+    (result,) = dbg.pass_results
+    assert result.added == ["fxdebug_obs_a", "fxdebug_obs_relu", "fxdebug_obs_b", "fxdebug_obs_tanh"]  # (before batching)
+    fed = dbg._live_state.feeds
+    assert len(fed) == 1 and next(iter(fed.values())) in {n.name for n in parts[0].graph.nodes}

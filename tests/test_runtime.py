@@ -128,8 +128,8 @@ def test_the_graph_calls_the_op_directly():
     watched = [n.args[0] for n in nodes if n.op == "call_function" and n.target is one]
     batches = [n for n in nodes if n.op == "call_function" and n.target is many]
     watched += [x for b in batches for x in b.args[0]]
-    (part,) = dbg.parts().values()
-    modules = [n for n in nodes if n.op == "call_module" and isinstance(part.get_submodule(str(n.target)), fxdebug.authoring.Observer)]
+    modules = [n for part in dbg.parts().values() for n in part.graph.nodes  # (one part, or one per block region)
+               if n.op == "call_module" and isinstance(part.get_submodule(str(n.target)), fxdebug.authoring.Observer)]
     assert not modules and len(watched) == len(set(watched)) == len(dbg.observers()) == len(dbg.report().rows)
     assert batches and len(batches) < len(watched) / 3  # small tensors: several per call
     assert torch.equal(dbg(x), model(x))

@@ -44,14 +44,15 @@ from fxdebug.instrumented.module import InstrumentedGraphModule
 from fxdebug.instrumented.live_blame import guard_error, replayed_blame
 from fxdebug.instrumented.live_export import refuse_tracing
 from fxdebug.instrumented.live_errors import _diagnose_part, _diagnosed, _dynamo_failed, _first_call_failed
-from fxdebug.instrumented.live_copies import (Template, copied_part, copies_enabled, identities, passes_share,
-                                              signature, template_for)
+from fxdebug.instrumented.live_copies import (Template, copied_part, copies_enabled, guard_order, identities,
+                                              passes_share, signature, template_for)
 from fxdebug.instrumented.live_call import backend_note, live_call, live_forward, modes_on, outer_now
 from fxdebug.instrumented.live_merge import merge_captures
 from fxdebug.instrumented.live_parts import _compiled_entry, _Part, _part_over, _runner, _user_arguments, record_flow
 from fxdebug.instrumented.live_skips import compile_scope, run_watched
 from fxdebug.instrumented.live_state import STATE_KEY, LiveState
-from fxdebug.instrumented.live_report import _global_calls, _note_fast_paths, _note_none_arguments, _origin_facts, joined_parts
+from fxdebug.instrumented.live_report import (_global_calls, _note_fast_paths, _note_none_arguments, _origin_facts,
+                                              joined_parts, merged_pass_results)
 from fxdebug.render.draw import render as draw
 from fxdebug.report.distributed import channel_maxima
 from fxdebug.report.report import Report, merge_reports
@@ -202,7 +203,7 @@ class LiveInstrumented(Instrumented):
 
         if kwargs:
             return None
-        for found in _guard_order(self._live_state.parts):
+        for found in guard_order(self._live_state.parts):
             part = found.part
             call = _user_arguments([n for n in part.graph.nodes if n.op == "placeholder"], args)
             if call is None:
@@ -315,6 +316,10 @@ class LiveInstrumented(Instrumented):
         if own is not None:
             return own
         return self.__dict__["_model"].__dict__.get("model", self._model)
+
+    @property
+    def pass_results(self) -> list[Any]:
+        return merged_pass_results(self)  # each pass over every captured graph
 
     def graphs(self) -> list[DynamoGraph]:
         """Every graph Dynamo handed over while this module ran, in the order they were captured."""
@@ -468,24 +473,6 @@ class LiveInstrumented(Instrumented):
                  # what each pass did (names and counts; not the graph it did it to, which stays in this process)
                  "pass_results": [dataclasses.replace(r, gm=None) for r in graph_record(self).passes]}
         return (_load_live, (self._model, live.passes, list(self.trace_info.notes), state))
-
-
-def _guard_order(parts: dict[DynamoGraph, _Part]) -> list[_Part]:
-    """The parts that may take the model's inputs, in the order a call reaches them (each frame and call site at its
-    first capture), the newest recompile of each first. Of the block regions' parts only the first region's (a call's
-    first module): a later region takes what the modules before it made (run on the model's arguments, a block that
-    takes one tensor blamed its input for the model's shape; the head's is not where a mismatch shows first)."""
-    groups: dict[tuple[Any, ...], list[_Part]] = {}
-    first: Any = None
-    for graph, found in parts.items():
-        site = getattr(graph, "site", None)
-        label = site.label if site is not None else ""
-        if template_for(graph) is not None:
-            first = label if first is None else first
-            if label != first:
-                continue
-        groups.setdefault((graph.frame, label), []).append(found)
-    return [found for group in groups.values() for found in reversed(group)]
 
 
 def _load_live(model: nn.Module, passes: list[Any], notes: list[str],

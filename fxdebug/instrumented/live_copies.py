@@ -47,8 +47,8 @@ from fxdebug.instrumented.live_parts import _Part, _part_over, _runner
 from fxdebug.instrumented.module import InstrumentedGraphModule
 from fxdebug.runtime.observer import Clock, Observer
 
-__all__ = ["Template", "copied_part", "copies_enabled", "copy_part", "identities", "passes_share", "shared_runner", "signature",
-           "template_for"]
+__all__ = ["Template", "copied_part", "copies_enabled", "copy_part", "guard_order", "identities", "passes_share",
+           "shared_runner", "signature", "template_for"]
 
 _SLOT = "_fxdebug_slot"
 
@@ -318,3 +318,20 @@ def copied_part(state: Any, model: nn.Module, graph: Any, shared: Any, prepared:
     found = state.parts[graph] = _Part(part, prepared.keep, run)
     return found
 
+
+def guard_order(parts: dict[Any, _Part]) -> list[_Part]:
+    """The parts that may take the model's inputs, in the order a call reaches them (each frame and call site at its
+    first capture), the newest recompile of each first. Of the block regions' parts only the first region's (a call's
+    first module): a later region takes what the modules before it made (run on the model's arguments, a block that
+    takes one tensor blamed its input for the model's shape; the head's is not where a mismatch shows first)."""
+    groups: dict[tuple[Any, ...], list[_Part]] = {}
+    first: Any = None
+    for graph, found in parts.items():
+        site = getattr(graph, "site", None)
+        label = site.label if site is not None else ""
+        if template_for(graph) is not None:
+            first = label if first is None else first
+            if label != first:
+                continue
+        groups.setdefault((graph.frame, label), []).append(found)
+    return [found for group in groups.values() for found in reversed(group)]

@@ -2,11 +2,13 @@
 order, the origin's facts from the capture that holds it, and notes on the arguments a capture pinned."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
 from torch import nn
 
+from fxdebug.graph.meta import graph_record
 from fxdebug.render.joined import JoinedParts
 from fxdebug.report.report import Report, _grad_producers, _nonfinite_params
 from fxdebug.runtime.columns import ORIGIN
@@ -95,3 +97,22 @@ def joined_parts(dbg: Any) -> JoinedParts | None:
     if len(state.parts) < 2 or not state.feeds:
         return None
     return JoinedParts(dbg.parts(), state.feeds, type(dbg._model).__name__)
+
+
+def merged_pass_results(dbg: Any) -> list[Any]:
+    """Each pass's ``PassResult`` over every captured graph (its nodes added, removed and replaced in all of them, its
+    notes once; ``seconds`` the first graph's). A capture in several graphs (block regions, graph breaks) reported
+    the first graph's alone, so ``dbg.pass_results[0].added`` missed every node the pass added in the others."""
+    top = graph_record(dbg).passes
+    per_part = [graph_record(p).passes for p in dbg.parts().values()]
+    per_part = [r for r in per_part if r]
+    if len(per_part) < 2:
+        return top
+    out = []
+    for i, first in enumerate(per_part[0]):
+        same = [r[i] for r in per_part if i < len(r) and r[i].pass_name == first.pass_name]
+        out.append(dataclasses.replace(
+            first, added=[n for r in same for n in r.added], removed=[n for r in same for n in r.removed],
+            replaced={k: v for r in same for k, v in r.replaced.items()},
+            notes=list(dict.fromkeys(n for r in same for n in r.notes))))
+    return out

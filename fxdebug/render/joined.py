@@ -18,7 +18,7 @@ from fxdebug.render.view import GraphView, VisNode, build_view
 __all__ = ["JoinedParts", "joined_view"]
 
 
-class JoinedParts(dict):  # type: ignore[type-arg]
+class JoinedParts(dict[str, Any]):
     """``{key: part}`` in call order, with ``feeds`` (a part's input placeholder -> the earlier node it took) and the
     model's type: what ``render(..., parts=...)`` draws as one picture."""
 
